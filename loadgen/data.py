@@ -1,0 +1,27 @@
+"""Where the real data sets live (the handbook's ``shared/data`` beside the repository)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_VAR = "PREFIXMESH_DATA"
+# <repo>/loadgen/data.py -> <repo>/../shared/data
+DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+class DataMissing(FileNotFoundError):
+    """A data file the workload needs is not where it should be."""
+
+
+def data_dir() -> Path:
+    """The data folder: ``$PREFIXMESH_DATA`` or ``../shared/data`` beside the repository."""
+    return Path(os.environ.get(ENV_VAR, DEFAULT_DIR))
+
+
+def data_file(*parts: str) -> Path:
+    """Path of one data file; a clear error naming the path when it is missing."""
+    path = data_dir().joinpath(*parts)
+    if not path.is_file():
+        raise DataMissing(f"data file not found: {path} (set {ENV_VAR} to the data folder)")
+    return path

@@ -1,0 +1,58 @@
+"""Workload options shared by ``prefixmesh bench``, ``sim`` and ``compare``."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from loadgen.arrivals import ARRIVAL_SPECS, arrival_times
+from loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """``--workload`` and the options every workload-driven verb accepts."""
+    p.add_argument("--workload", required=True,
+                   help=f"one of {', '.join(WORKLOADS)}, or a mix like toolbench:0.5,videoqa:0.5")
+    p.add_argument("--mix", default=None, help="same as a mix in --workload")
+    p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of prefix popularity")
+    p.add_argument("--prefixes", type=int, default=None, help="distinct shared prefixes")
+    p.add_argument("--arrivals", default="poisson",
+                   help=f"arrival process: {', '.join(ARRIVAL_SPECS)} (burst:SIZE)")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """What to replay: a workload with options and an arrival process."""
+
+    workload: str
+    zipf: float | None = None
+    prefixes: int | None = None
+    arrivals: str = "poisson"
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
+        return cls(workload=args.mix or args.workload, zipf=args.zipf, prefixes=args.prefixes,
+                   arrivals=args.arrivals, seed=args.seed)
+
+    def requests(self, count: int) -> list[WorkloadRequest]:
+        return build_workload(self.workload, count, self.seed, zipf=self.zipf,
+                              prefixes=self.prefixes)
+
+    def times(self, rate: float, count: int) -> list[float]:
+        return arrival_times(self.arrivals, rate, count, self.seed)
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--{what}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"--{what}: need positive numbers")
+    return values
+
+
+def parse_names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]

@@ -1,0 +1,92 @@
+"""``prefixmesh sim``: virtual-time sweeps over rates x global policies x local policies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadgen.cluster_sim import ClusterConfig, ClusterSim
+from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
+from loadgen.results import summarize
+from loadgen.workloads import WorkloadRequest
+from services.scheduler.policies import POLICY_NAMES
+from services.worker.local import LOCAL_POLICIES
+from shared.costmodel import DEFAULT_PROFILE, available_profiles
+
+
+def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
+             workload: str, rate: float) -> dict:
+    """One simulated run, as a result row (DESIGN.md s.11) plus simulator figures."""
+    run = ClusterSim(cfg).run(requests, arrivals)
+    row = summarize(run.results, run.duration_s, policy=cfg.policy,
+                    local_policy=cfg.local_policy, workload=workload, rate=rate, gpus=cfg.gpus,
+                    backend="sim")
+    row.update(mode="virtual", profile=cfg.profile, virtual_s=round(run.duration_s, 3),
+               wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions)
+    return row
+
+
+def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Sequence[str],
+          local_policies: Sequence[str], profile: str, duration_s: float,
+          progress: bool = True) -> list[dict]:
+    """Every (rate, policy, local policy) point over the same seeded requests and arrivals."""
+    count = max(1, round(max(rates) * duration_s))
+    requests = spec.requests(count)
+    rows = []
+    for rate in rates:
+        n = max(1, round(rate * duration_s))
+        arrivals = spec.times(rate, n)
+        for policy in policies:
+            for local in local_policies:
+                cfg = ClusterConfig(gpus=gpus, policy=policy, local_policy=local, profile=profile)
+                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate)
+                rows.append(row)
+                if progress:
+                    print(f"  {spec.workload} rate={rate:g} {policy}/{local}: "
+                          f"avg {row['latency_avg_s']:.3f}s p99 {row['latency_p99_s']:.3f}s "
+                          f"hit {row['cache_hit_ratio']:.1%} failed {row['failed']} "
+                          f"({row['wall_s']:.1f}s wall)", file=sys.stderr, flush=True)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixmesh sim",
+        description="Virtual-time cluster simulation: the real global and local policies "
+        "against simulated GPUs, in one process. Writes the result schema of `bench`.")
+    p.add_argument("--gpus", type=int, default=4, help="simulated GPUs (workers)")
+    add_workload_args(p)
+    p.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
+    p.add_argument("--policies", default="round_robin,e2",
+                   help=f"global policies: {', '.join(POLICY_NAMES)}")
+    p.add_argument("--local-policies", default="prefix_fair",
+                   help=f"local policies: {', '.join(LOCAL_POLICIES)}")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
+    p.add_argument("--duration", type=float, default=120.0,
+                   help="seconds of arrivals per run (requests = rate x duration)")
+    p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.gpus < 1:
+        raise SystemExit("--gpus must be at least 1")
+    policies, locals_ = parse_names(args.policies), parse_names(args.local_policies)
+    bad = [p for p in policies if p not in POLICY_NAMES] + [
+        p for p in locals_ if p not in LOCAL_POLICIES]
+    if bad:
+        raise SystemExit(f"unknown policy: {', '.join(bad)}")
+    rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
+                 policies, locals_, args.profile, args.duration)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"runs": rows}, indent=1))
+    print(f"wrote {len(rows)} runs to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

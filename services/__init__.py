@@ -1,0 +1,1 @@
+"""prefixmesh services, each runnable as ``python -m services.<name>``."""

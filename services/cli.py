@@ -1,0 +1,149 @@
+"""The ``prefixmesh`` command line: one verb per job, ``--help`` on each."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from shared.costmodel import DEFAULT_PROFILE, available_profiles
+
+BACKENDS = ("sim", "hf", "vllm")
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the whole mesh as local processes",
+                       description="Start nats-server and redis-server when none is reachable, "
+                       "then every prefixmesh service; print the edge URL; Ctrl-C stops all.")
+    p.add_argument("--workers", type=int, default=4, help="number of worker replicas")
+    p.add_argument("--backend", choices=BACKENDS, default="sim", help="engine backend")
+    p.add_argument("--policy", default="e2", help="global scheduling policy")
+    p.add_argument("--local-policy", default="prefix_fair", help="workers' local queue policy")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles(),
+                   help="cost-model profile of the simulated GPUs")
+    p.add_argument("--host", default="127.0.0.1", help="edge listen address")
+    p.add_argument("--port", type=int, default=8000, help="edge port (0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=9100,
+                   help="metrics service port (0 = any free port)")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222",
+                   help="NATS to use; started here when nothing listens there")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="Redis to use; started here when nothing listens there")
+    p.add_argument("--subject-prefix", default="pm", help="NATS subject / Redis key prefix")
+    p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a tmp dir)")
+    p.add_argument("--log-level", default="INFO", help="services' log level")
+    p.add_argument("--state-file", type=Path, default=None,
+                   help="write the URL and child PIDs here as JSON once ready")
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.up import MeshOptions, run_up
+
+    if args.workers < 1:
+        print("--workers must be at least 1", file=sys.stderr)
+        return 2
+    opts = MeshOptions(
+        workers=args.workers, backend=args.backend, policy=args.policy,
+        local_policy=args.local_policy, profile=args.profile, host=args.host, port=args.port,
+        metrics_port=args.metrics_port, nats_url=args.nats_url, redis_url=args.redis_url,
+        subject_prefix=args.subject_prefix, log_dir=args.log_dir, log_level=args.log_level,
+    )
+    return run_up(opts, args.state_file)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="round_robin vs e2 on a burst of shared-prefix requests",
+                       description="Start the mesh with simulated GPU workers once per policy, "
+                       "send the same burst of ToolBench requests through the HTTP API, and "
+                       "print latency and cache hit ratio per policy.")
+    p.add_argument("--workers", type=int, default=4, help="simulated GPU workers")
+    p.add_argument("--requests", type=int, default=160, help="requests per policy")
+    p.add_argument("--rate", type=float, default=12.0, help="Poisson arrival rate (req/s)")
+    p.add_argument("--policies", default="round_robin,e2", help="comma-separated policies")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    p.add_argument("--json", type=Path, default=None, help="also write results JSON here")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from loadgen.demo import run_demo
+
+    return run_demo(workers=args.workers, requests=args.requests, rate=args.rate,
+                    policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+                    seed=args.seed, json_out=args.json)
+
+
+def _workloads(argv: list[str]) -> int:
+    from loadgen.stats import main as stats_main
+
+    return stats_main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from loadgen.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from loadgen.report import main as report_main
+
+    return report_main(argv)
+
+
+def _sim(argv: list[str]) -> int:
+    from loadgen.sweep import main as sim_main
+
+    return sim_main(argv)
+
+
+def _bench_scheduler(argv: list[str]) -> int:
+    if "--live" in argv:
+        from services.scheduler.bench_live import main as live_main
+
+        return live_main([a for a in argv if a != "--live"])
+    from services.scheduler.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+# Verbs whose module owns its argument parser: ``prefixmesh VERB --help`` is theirs.
+DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "workloads": ("list the workloads; --stats prints their generated statistics",
+                  _workloads),
+    "bench": ("open-loop HTTP load against an OpenAI-compatible endpoint", _bench),
+    "sim": ("virtual-time cluster simulation over rates and policies", _sim),
+    "report": ("markdown tables and latency-vs-rate plots from result files", _report),
+    "bench-scheduler": ("time the global policy's routing decisions (add --live for the "
+                        "scheduler service over NATS)", _bench_scheduler),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixmesh",
+        description="Prefix-aware distributed serving for LLM workloads with shared prompts.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    _add_up(sub)
+    _add_demo(sub)
+    for name, (help_text, _fn) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+COMMANDS = {"up": _cmd_up, "demo": _cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]][1](argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return COMMANDS[args.verb](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The edge: an OpenAI-compatible HTTP API in front of the mesh."""

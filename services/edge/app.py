@@ -1,0 +1,274 @@
+"""aiohttp application: the OpenAI-compatible routes and their error handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import Counter, Histogram
+
+from services.edge.config import EdgeConfig
+from services.edge.pipeline import MeshClient
+from services.edge.responses import (
+    ChoiceResult,
+    ResponseMeta,
+    Usage,
+    chunk,
+    full_response,
+    usage_chunk,
+)
+from services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
+from shared.log import bind_request
+from shared.messages import GenerateChunkEvent, GenerateDoneEvent
+from shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
+
+log = logging.getLogger(__name__)
+
+MESH = web.AppKey("mesh", MeshClient)
+CONFIG = web.AppKey("config", EdgeConfig)
+
+REQUESTS = Counter("prefixmesh_edge_requests_total", "HTTP requests by route and status",
+                   ["route", "status"])
+LATENCY = Histogram("prefixmesh_edge_request_latency_seconds", "send to last token",
+                    ["route"], buckets=LATENCY_BUCKETS_S)
+TTFT = Histogram("prefixmesh_edge_ttft_seconds", "time to first token", ["route"],
+                 buckets=LATENCY_BUCKETS_S)
+TOKENS = Counter("prefixmesh_edge_tokens_total", "tokens by kind (prompt, cached, completion)",
+                 ["kind"])
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                            ) -> web.StreamResponse:
+    """Every error leaves as OpenAI-shaped JSON with the right status, never a bare 500."""
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+        else "unmatched"
+    try:
+        resp = await handler(request)
+    except ApiError as err:
+        resp = error_response(err)
+    except web.HTTPRequestEntityTooLarge as exc:
+        resp = error_response(ApiError(413, f"request body too large: {exc.text}",
+                                       code="request_too_large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        msg = f"{request.method} {request.path}: {exc.reason}"
+        resp = error_response(ApiError(exc.status, msg, type=kind, headers={
+            k: v for k, v in exc.headers.items() if k.lower() == "allow"}))
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        resp = error_response(ApiError(500, "internal error", type="internal_error"))
+    REQUESTS.labels(route, str(resp.status)).inc()
+    return resp
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        cfg = request.app[CONFIG]
+        raise ApiError(413, f"request body exceeds {cfg.max_body_bytes} bytes",
+                       code="request_too_large") from None
+
+
+async def _token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> list[list[int]]:
+    if parsed.kind == "chat":
+        return [await mesh.tokenize(rid, messages=parsed.messages)]
+    out = []
+    for p in parsed.prompts:
+        out.append(p if isinstance(p, list) else await mesh.tokenize(rid, text=p))
+    return out
+
+
+def _check_length(cfg: EdgeConfig, prompts: list[list[int]], max_tokens: int) -> None:
+    for p in prompts:
+        if len(p) + max_tokens > cfg.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {cfg.max_model_len} "
+                           f"tokens; the prompt has {len(p)} and max_tokens is {max_tokens}.",
+                           param="max_tokens", code="context_length_exceeded")
+
+
+async def _run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
+                      parsed: ParsedRequest, tenant: str,
+                      sink: asyncio.Queue[tuple[int, Any]]) -> ChoiceResult:
+    """Run one choice on the mesh, pushing (index, event) to ``sink``; returns its result."""
+    result = ChoiceResult(index=index, prompt_tokens=len(tokens))
+    sub_id = rid if parsed.n * max(len(parsed.prompts), 1) == 1 else f"{rid}-{index}"
+    async for event in mesh.generate(sub_id, tokens, parsed.sampling, tenant):
+        if isinstance(event, GenerateChunkEvent):
+            result.text += event.text
+        elif isinstance(event, GenerateDoneEvent):
+            result.finish_reason = event.finish_reason
+            result.completion_tokens = event.completion_tokens
+            result.cached_tokens = event.cached_tokens
+            result.prompt_tokens = event.prompt_tokens or len(tokens)
+            result.worker_id = event.worker_id
+            if event.error is not None:
+                result.error = event.error.message
+        await sink.put((index, event))
+    return result
+
+
+async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+    mesh = request.app[MESH]
+    cfg = request.app[CONFIG]
+    kind = parsed.kind
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    bind_request(rid)
+    started = time.monotonic()
+    route = request.path
+    prompts = await _token_prompts(mesh, rid, parsed)
+    _check_length(cfg, prompts, parsed.sampling.max_tokens)
+    jobs = [(pi * parsed.n + j, toks) for pi, toks in enumerate(prompts) for j in range(parsed.n)]
+    # The prompt of a choice counts once per distinct prompt in usage, as OpenAI does.
+    first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
+    meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=kind)
+    sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    tenant = ""
+    tasks = [asyncio.create_task(_run_choice(mesh, rid, i, toks, parsed, tenant, sink),
+                                 name=f"{rid}-{i}") for i, toks in jobs]
+    headers = {"x-request-id": rid}
+    try:
+        if parsed.stream:
+            return await _stream(request, meta, parsed, tasks, sink, first_of_prompt,
+                                 headers, started)
+        results = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [r for r in results if r.error]
+    if failed:
+        raise ApiError(503, f"generation failed: {failed[0].error}", type="service_unavailable",
+                       code="worker_error", headers={"Retry-After": "1"})
+    usage = Usage()
+    for r in results:
+        usage.add(r, r.index in first_of_prompt)
+    _observe(route, usage, time.monotonic() - started, None)
+    return web.json_response(full_response(meta, results, usage), headers=headers)
+
+
+def _observe(route: str, usage: Usage, latency: float, ttft: float | None) -> None:
+    LATENCY.labels(route).observe(latency)
+    if ttft is not None:
+        TTFT.labels(route).observe(ttft)
+    TOKENS.labels("prompt").inc(usage.prompt_tokens)
+    TOKENS.labels("cached").inc(usage.cached_tokens)
+    TOKENS.labels("completion").inc(usage.completion_tokens)
+
+
+async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedRequest,
+                  tasks: list[asyncio.Task], sink: asyncio.Queue[tuple[int, Any]],
+                  first_of_prompt: set[int], headers: dict[str, str],
+                  started: float) -> web.StreamResponse:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
+
+    async def send(obj: Any) -> None:
+        await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+    usage = Usage()
+    ttft: float | None = None
+    pending = set(tasks)
+    started_choices: set[int] = set()
+    getter: asyncio.Task | None = None
+    while pending or not sink.empty():
+        if getter is None:
+            getter = asyncio.ensure_future(sink.get())
+        done, _ = await asyncio.wait(pending | {getter}, return_when=asyncio.FIRST_COMPLETED)
+        for t in done - {getter}:
+            pending.discard(t)
+            if t.exception() is not None:
+                exc = t.exception()
+                err = exc if isinstance(exc, ApiError) else ApiError(500, "internal error",
+                                                                     type="internal_error")
+                await send(err.body())
+        if getter not in done:
+            continue
+        index, event = getter.result()
+        getter = None
+        if parsed.kind == "chat" and index not in started_choices:
+            started_choices.add(index)
+            await send(chunk(meta, index, text="", role=True))
+        if isinstance(event, GenerateChunkEvent):
+            if ttft is None:
+                ttft = time.monotonic() - started
+            if event.text:
+                await send(chunk(meta, index, text=event.text))
+        elif isinstance(event, GenerateDoneEvent):
+            if event.error is not None:
+                await send(ApiError(503, f"generation failed: {event.error.message}",
+                                    type="service_unavailable", code="worker_error").body())
+            else:
+                await send(chunk(meta, index, text=None if parsed.kind == "chat" else "",
+                                 finish_reason=event.finish_reason))
+            usage.add(ChoiceResult(index=index, prompt_tokens=event.prompt_tokens,
+                                   completion_tokens=event.completion_tokens,
+                                   cached_tokens=event.cached_tokens),
+                      index in first_of_prompt)
+    if getter is not None:
+        getter.cancel()
+    if parsed.include_usage:
+        await send(usage_chunk(meta, usage))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    _observe(request.path, usage, time.monotonic() - started, ttft)
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    cfg = request.app[CONFIG]
+    parsed = parse_completion(await _read_body(request), cfg.model_names, cfg.vocab_size)
+    return await _generate(request, parsed)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    cfg = request.app[CONFIG]
+    parsed = parse_chat(await _read_body(request), cfg.model_names)
+    return await _generate(request, parsed)
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixmesh"}
+            for m in cfg.model_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def model(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG]
+    name = request.match_info["model"]
+    if name not in cfg.model_names:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found")
+    return web.json_response({"id": name, "object": "model", "created": 0,
+                              "owned_by": "prefixmesh"})
+
+
+def build_app(cfg: EdgeConfig, mesh: MeshClient) -> web.Application:
+    """The edge's aiohttp application."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.max_body_bytes)
+    app[CONFIG] = cfg
+    app[MESH] = mesh
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/health", health_handler)
+    app.router.add_get("/metrics", metrics_handler)
+    return app

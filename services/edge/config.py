@@ -1,0 +1,28 @@
+"""Edge configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import CommonConfig, option
+
+
+@dataclass(frozen=True)
+class EdgeConfig(CommonConfig):
+    host: str = option("127.0.0.1", "address the HTTP API listens on")
+    port: int = option(8000, "port of the HTTP API (0 = any free port)")
+    models: str = option("smollm2-135m-instruct", "comma-separated model names served")
+    vocab_size: int = option(49152, "token ids in prompts must be below this")
+    max_model_len: int = option(131072, "longest prompt + max_tokens accepted, in tokens")
+    max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (413 above)")
+    tokenize_timeout_s: float = option(10.0, "seconds to wait for the tokenizer")
+    route_timeout_s: float = option(2.0, "seconds to wait for the scheduler")
+    route_retry_s: float = option(8.0, "seconds to keep retrying while no scheduler answers")
+    submit_timeout_s: float = option(2.0, "seconds to wait for a worker to accept")
+    request_timeout_s: float = option(600.0, "seconds a request may take end to end")
+    predict: bool = option(False, "ask the predictor for an output-length estimate")
+    edge_id: str = option("", "this edge's id on the bus (empty = random)")
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.models.split(",") if m.strip())

@@ -1,0 +1,243 @@
+"""OpenAI request parsing and validation (pure: bytes in, typed request or ApiError out)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.messages import ChatMessage
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP_SEQUENCES = 4
+MAX_N = 16
+DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM extension: generate exactly max_tokens.
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class _CompletionBody(_Common):
+    prompt: Any = None
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class _ChatMessageBody(msgspec.Struct):
+    role: str
+    content: Any = None
+    name: str | None = None
+
+
+class _ChatBody(_Common):
+    messages: list[_ChatMessageBody] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    ignore_eos: bool
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A validated completion or chat request."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    # Completions: one entry per prompt (text or token ids). Chat: empty.
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[ChatMessage] = field(default_factory=list)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    sampling: Sampling | None = None
+    user: str = ""
+
+
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
+
+
+def _decode(body: bytes, typ: type) -> Any:
+    if not body.strip():
+        raise ApiError(400, "request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _MISSING.search(text) or _PATH.search(text)
+        if "Expected `object`, got" in text and m is None:
+            raise ApiError(400, "request body must be a JSON object") from None
+        raise ApiError(400, f"invalid request: {text}", param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"malformed JSON: {exc}") from None
+
+
+def _sampling(b: _Common, max_tokens: int | None) -> Sampling:
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    temperature = 1.0 if b.temperature is None else b.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
+    top_p = 1.0 if b.top_p is None else b.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise ApiError(400, "top_p must be in (0, 1]", param="top_p")
+    if b.stop is None:
+        stop: list[str] = []
+    elif isinstance(b.stop, str):
+        stop = [b.stop]
+    else:
+        stop = list(b.stop)
+    if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
+        raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings",
+                       param="stop")
+    return Sampling(max_tokens, temperature, top_p, b.seed, stop, b.ignore_eos)
+
+
+def _check_common(b: _Common, models: tuple[str, ...]) -> None:
+    if not b.model:
+        raise ApiError(400, "model must be a non-empty string", param="model")
+    if b.model not in models:
+        raise ApiError(404, f"The model `{b.model}` does not exist.", param="model",
+                       code="model_not_found")
+    if not 1 <= b.n <= MAX_N:
+        raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
+
+
+def _prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:
+    """Normalise OpenAI's four prompt shapes: str, [str], [int], [[int]]."""
+    if raw is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, int) and not isinstance(x, bool)
+                                                for x in raw):
+        items = [raw]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids "
+                       "or a list of token-id lists", param="prompt")
+    if not items:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    out: list[str | list[int]] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise ApiError(400, "prompt must not be empty", param="prompt")
+            out.append(item)
+        elif isinstance(item, list) and item and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in item
+        ):
+            bad = next((t for t in item if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is out of range [0, {vocab_size})",
+                               param="prompt")
+            out.append(item)
+        else:
+            raise ApiError(400, "each prompt must be a non-empty string or list of token ids",
+                           param="prompt")
+    return out
+
+
+def parse_completion(body: bytes, models: tuple[str, ...], vocab_size: int) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body."""
+    b = _decode(body, _CompletionBody)
+    _check_common(b, models)
+    if b.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    return ParsedRequest(
+        kind="completion", model=b.model, prompts=_prompts(b.prompt, vocab_size), n=b.n,
+        stream=b.stream, include_usage=bool(b.stream_options and b.stream_options.include_usage),
+        sampling=_sampling(b, b.max_tokens), user=b.user or "",
+    )
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text parts are supported
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str
+            ):
+                raise ApiError(400, "only text content parts are supported",
+                               param=f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise ApiError(400, "message content must be a string or a list of text parts",
+                   param=f"messages[{index}].content")
+
+
+def parse_chat(body: bytes, models: tuple[str, ...]) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body."""
+    b = _decode(body, _ChatBody)
+    _check_common(b, models)
+    if not b.messages:
+        raise ApiError(400, "messages must be a non-empty list", param="messages")
+    messages = []
+    for i, m in enumerate(b.messages):
+        if m.role not in CHAT_ROLES:
+            raise ApiError(400, f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                           param=f"messages[{i}].role")
+        messages.append(ChatMessage(role=m.role, content=_content_text(m.content, i), name=m.name))
+    if all(not m.content for m in messages):
+        raise ApiError(400, "messages must contain some text", param="messages")
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    return ParsedRequest(
+        kind="chat", model=b.model, messages=messages, n=b.n, stream=b.stream,
+        include_usage=bool(b.stream_options and b.stream_options.include_usage),
+        sampling=_sampling(b, max_tokens), user=b.user or "",
+    )

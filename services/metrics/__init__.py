@@ -1,0 +1,1 @@
+"""Cluster metrics assembled from the bus: Prometheus exposition and a JSON view."""

@@ -1,0 +1,1 @@
+"""Output-length prediction service (request/reply over NATS, queue group)."""

@@ -1,0 +1,355 @@
+"""In-process decision benchmark of a global policy (``prefixmesh bench-scheduler``).
+
+Builds a synthetic prompt stream with the sharing structure of Preble's workloads
+(DESIGN.md s.10), warms the policy, then times ``route()`` one decision at a time with
+``time.perf_counter_ns`` on one core. Between decisions (untimed) it feeds what a live
+cluster would: KV events from a per-worker LRU block cache, completion records, periodic
+load reports and ``tick``. Block hashes are computed before timing: the edge computes
+them, not the scheduler.
+
+Output (DESIGN.md s.11): ``{"workload", "workers", "policy", "decisions_per_s", "p50_us",
+"p99_us"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from services.scheduler.policies import POLICY_NAMES, make_policy
+from services.scheduler.policies.base import GlobalPolicy, PolicyConfig, RouteInput
+from shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
+from shared.costmodel import DEFAULT_PROFILE, CostModel
+from shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+
+WORKLOADS = ("toolbench", "videoqa")
+VOCAB = 32_000
+# Shapes (Preble Table 1): prompt mean/std, output mean/std, arrival rate for 16 workers.
+TOOLBENCH_SYSTEM_TOKENS = 160
+TOOLBENCH_TOOLS = 2_000
+TOOLBENCH_ZIPF = 1.1
+TOOLBENCH_TOOL_TOKENS = (1_400, 700)  # mean, std of one tool's instructions
+TOOLBENCH_QUERY_TOKENS = (275, 120)  # unique part: ~15% of 1835
+TOOLBENCH_OUTPUT = (43, 16)
+VIDEOQA_SYSTEM_TOKENS = 96
+VIDEOQA_VIDEO_TOKENS = (9_800, 5_900)  # frame_count / 30 * 256
+VIDEOQA_QUESTIONS = (3, 9)  # questions per video, inclusive range
+VIDEOQA_ACTIVE = 48  # videos being asked about at any time
+VIDEOQA_QUESTION_TOKENS = (24, 8)
+VIDEOQA_OUTPUT = (4, 1.5)
+DEFAULT_RATE = {"toolbench": 160.0, "videoqa": 48.0}  # requests per second, 16 workers
+# Simulated cluster feedback (untimed).
+LOAD_REPORT_S = 0.25
+TICK_S = 0.1
+SERVICE_S_PER_OUTPUT = 0.03  # seconds per output token a simulated request takes
+KV_DELAY_S = 0.05  # routing -> BlockStored delay (prefill time)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request of a stream: arrival time (s), what the edge sends, real output length,
+    and where its shared parts end (blocks of system prompt; of system prompt + head)."""
+
+    t: float
+    route: RouteInput
+    output_tokens: int
+    system_blocks: int = 0
+    head_blocks: int = 0
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return rng.choices(range(VOCAB), k=n)
+
+
+def _normal_int(rng: random.Random, mean_std: tuple[float, float], lo: int) -> int:
+    return max(lo, int(rng.gauss(*mean_std)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefix:
+    """A shared prompt head, kept as its block hashes and the tokens after its last full
+    block (the token list itself is not kept: big short-lived lists only load the GC)."""
+
+    tokens: int
+    hashes: list[int]
+    rest: list[int]
+    system_blocks: int
+
+    @staticmethod
+    def of(system: list[int], head: list[int]) -> _Prefix:
+        tokens = system + head
+        hashes = block_hashes(tokens)
+        return _Prefix(
+            len(tokens), hashes, tokens[len(hashes) * BLOCK_SIZE :], len(system) // BLOCK_SIZE
+        )
+
+    def prompt(self, tail: list[int]) -> list[int]:
+        """Block hashes of this head followed by ``tail``, continuing the chain."""
+        if not self.hashes:
+            return block_hashes(self.rest + tail)
+        return self.hashes + extend_hashes(self.hashes[-1], self.rest + tail)
+
+
+def toolbench_stream(rate: float, seed: int = 0) -> Iterator[BenchRequest]:
+    """System prompt + one of many tool instructions (Zipf 1.1) + a unique query."""
+    rng = random.Random(seed)
+    system = _tokens(rng, TOOLBENCH_SYSTEM_TOKENS)
+    weights = [1.0 / (k + 1) ** TOOLBENCH_ZIPF for k in range(TOOLBENCH_TOOLS)]
+    cum = []
+    acc = 0.0
+    for wgt in weights:
+        acc += wgt
+        cum.append(acc)
+    tools: dict[int, _Prefix] = {}
+    t = 0.0
+    i = 0
+    while True:
+        t += rng.expovariate(rate)
+        k = min(int(_bisect(cum, rng.random() * acc)), TOOLBENCH_TOOLS - 1)
+        prefix = tools.get(k)
+        if prefix is None:
+            instr = _tokens(rng, _normal_int(rng, TOOLBENCH_TOOL_TOKENS, 200))
+            prefix = tools[k] = _Prefix.of(system, instr)
+        query = _tokens(rng, _normal_int(rng, TOOLBENCH_QUERY_TOKENS, 32))
+        yield BenchRequest(
+            t,
+            RouteInput(f"tb-{i}", prefix.prompt(query), prefix.tokens + len(query), 256),
+            _normal_int(rng, TOOLBENCH_OUTPUT, 1),
+            prefix.system_blocks,
+            len(prefix.hashes),
+        )
+        i += 1
+
+
+def videoqa_stream(rate: float, seed: int = 0) -> Iterator[BenchRequest]:
+    """System prompt + video tokens shared by several questions + a short question."""
+    rng = random.Random(seed)
+    system = _tokens(rng, VIDEOQA_SYSTEM_TOKENS)
+    active: list[list] = []  # [prefix, questions_left]
+    t = 0.0
+    i = 0
+    while True:
+        while len(active) < VIDEOQA_ACTIVE:
+            video = _tokens(rng, _normal_int(rng, VIDEOQA_VIDEO_TOKENS, 1_000))
+            active.append([_Prefix.of(system, video), rng.randint(*VIDEOQA_QUESTIONS)])
+        t += rng.expovariate(rate)
+        j = rng.randrange(len(active))
+        prefix, left = active[j]
+        question = _tokens(rng, _normal_int(rng, VIDEOQA_QUESTION_TOKENS, 4))
+        if left <= 1:
+            active[j] = active[-1]
+            active.pop()
+        else:
+            active[j][1] = left - 1
+        yield BenchRequest(
+            t,
+            RouteInput(f"vq-{i}", prefix.prompt(question), prefix.tokens + len(question), 8),
+            _normal_int(rng, VIDEOQA_OUTPUT, 1),
+            prefix.system_blocks,
+            len(prefix.hashes),
+        )
+        i += 1
+
+
+def _bisect(cum: Sequence[float], x: float) -> int:
+    lo, hi = 0, len(cum)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cum[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def make_stream(workload: str, rate: float | None = None, seed: int = 0) -> Iterator[BenchRequest]:
+    """The named synthetic stream at ``rate`` requests/s (default: sized for 16 workers)."""
+    r = rate if rate is not None else DEFAULT_RATE[workload]
+    if workload == "toolbench":
+        return toolbench_stream(r, seed)
+    if workload == "videoqa":
+        return videoqa_stream(r, seed)
+    raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
+
+
+class _Cluster:
+    """Untimed stand-in for the workers: prefix caches, completions, load reports.
+
+    A worker's cache is an LRU of prompt segments (system prompt, shared head, unique
+    tail), each stored and evicted whole, so KV events look like a real prefix cache's
+    (tails go before heads, a shared system prompt stays) at a cost per request that does
+    not grow with prompt length: the workers are other processes and should not crowd the
+    scheduler's CPU caches here.
+    """
+
+    def __init__(self, policy: GlobalPolicy, workers: list[str], capacity_blocks: int) -> None:
+        self.policy = policy
+        self.capacity = capacity_blocks
+        # Per worker: last hash of a segment -> its hashes, least recently used first.
+        self.caches: dict[str, OrderedDict[int, list[int]]] = {w: OrderedDict() for w in workers}
+        self.used: dict[str, int] = dict.fromkeys(workers, 0)
+        self.busy: dict[str, int] = dict.fromkeys(workers, 0)
+        self.prefill: dict[str, int] = dict.fromkeys(workers, 0)
+        self.events: list[tuple[float, int, object]] = []
+        self.seq = 0
+        self.next_report = 0.0
+        self.next_tick = 0.0
+
+    def _push(self, t: float, ev: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, ev))
+
+    def routed(self, br: BenchRequest, worker: str, matched: int) -> None:
+        """Queue the KV events and the completion of a request just routed."""
+        self.busy[worker] += 1
+        self.prefill[worker] += br.route.prompt_tokens - matched
+        self._push(br.t + KV_DELAY_S, (worker, br))
+        done = RequestDoneEvent(
+            request_id=br.route.request_id,
+            worker_id=worker,
+            prompt_tokens=br.route.prompt_tokens,
+            cached_tokens=matched,
+            completion_tokens=br.output_tokens,
+        )
+        self._push(br.t + KV_DELAY_S + SERVICE_S_PER_OUTPUT * br.output_tokens, done)
+
+    def _cache(self, worker: str, br: BenchRequest, now: float) -> None:
+        hashes = br.route.block_hashes
+        cuts = sorted({0, br.system_blocks, br.head_blocks, len(hashes)})
+        segments = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        lru = self.caches[worker]
+        events: list = []
+        for a, b in segments:  # parents first, as a worker reports them
+            if hashes[b - 1] not in lru:
+                seg = hashes[a:b]
+                lru[hashes[b - 1]] = seg
+                self.used[worker] += len(seg)
+                events.append(BlockStored(seg, hashes[a - 1] if a else None, [], BLOCK_SIZE))
+        for _, b in reversed(segments):  # tail refreshed first: the system prompt is newest
+            lru.move_to_end(hashes[b - 1])
+        while self.used[worker] > self.capacity:
+            _, seg = lru.popitem(last=False)
+            self.used[worker] -= len(seg)
+            events.append(BlockRemoved(seg))
+        if events:
+            self.policy.on_kv_events(worker, events, now)
+
+    def advance(self, now: float) -> None:
+        """Deliver everything due by ``now``."""
+        events = self.events
+        while events and events[0][0] <= now:
+            t, _, ev = heapq.heappop(events)
+            if isinstance(ev, RequestDoneEvent):
+                self.busy[ev.worker_id] -= 1
+                if ev.worker_id in self.policy.workers:
+                    self.policy.on_done(ev, t)
+            else:
+                worker, br = ev  # type: ignore[misc]
+                if worker in self.policy.workers:
+                    self._cache(worker, br, t)
+        while self.next_report <= now:
+            self._reports(self.next_report)
+            self.next_report += LOAD_REPORT_S
+        while self.next_tick <= now:
+            self.policy.tick(self.next_tick)
+            self.next_tick += TICK_S
+
+    def _reports(self, t: float) -> None:
+        # Decode tokens: one per running request per step (~10 steps per report period).
+        for w, busy in self.busy.items():
+            decode = busy * 10
+            prefill = self.prefill[w]
+            self.prefill[w] = 0
+            share = decode / (decode + prefill) if decode + prefill else 0.0
+            self.policy.on_load(
+                LoadReportEvent(w, t, running=busy, total_blocks=self.capacity,
+                                free_blocks=max(self.capacity - self.used[w], 0),
+                                decode_share=share),
+                t,
+            )
+
+
+def run_bench(
+    workload_stream: Iterable[BenchRequest],
+    workers: int = 16,
+    requests: int = 20_000,
+    policy: str = "e2",
+    *,
+    workload: str = "custom",
+    warmup: int = 5_000,
+    config: PolicyConfig | None = None,
+    profile: str = DEFAULT_PROFILE,
+) -> dict:
+    """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream."""
+    cost = CostModel.load(profile)
+    pol = make_policy(policy, config or PolicyConfig(), cost)
+    names = [f"w{i}" for i in range(workers)]
+    for w in names:
+        pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
+    cluster = _Cluster(pol, names, cost.capacity_blocks)
+    stream = iter(workload_stream)
+    times: list[int] = []
+    clock = time.perf_counter_ns
+    for i in range(warmup + requests):
+        br = next(stream)
+        cluster.advance(br.t)
+        t0 = clock()
+        d = pol.route(br.route, br.t)
+        t1 = clock()
+        if i >= warmup:
+            times.append(t1 - t0)
+        cluster.routed(br, d.worker_id, d.matched_tokens)
+    times.sort()
+    total_s = sum(times) / 1e9
+    return {
+        "workload": workload,
+        "workers": workers,
+        "policy": policy,
+        "decisions_per_s": round(len(times) / total_s, 1) if total_s else 0.0,
+        "p50_us": round(times[len(times) // 2] / 1e3, 2),
+        "p99_us": round(times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``bench-scheduler --workload W --workers N --requests K --json OUT``."""
+    ap = argparse.ArgumentParser(
+        prog="prefixmesh bench-scheduler",
+        description="Time the global policy's decisions in process, on one core.",
+    )
+    ap.add_argument("--workload", choices=WORKLOADS, default="toolbench")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=20_000, help="timed decisions")
+    ap.add_argument("--warmup", type=int, default=5_000, help="untimed decisions first")
+    ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
+    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (virtual)")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the result here too")
+    args = ap.parse_args(argv)
+    result = run_bench(
+        make_stream(args.workload, args.rate, args.seed),
+        workers=args.workers,
+        requests=args.requests,
+        policy=args.policy,
+        workload=args.workload,
+        warmup=args.warmup,
+        profile=args.profile,
+    )
+    text = json.dumps(result)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``prefixmesh bench-scheduler --live``: routing decisions through the scheduler service.
+
+Starts its own nats-server and redis-server (free ports) and a scheduler process, registers
+``--workers`` workers by publishing their load reports, then sends the same prompt stream as
+the in-process benchmark as RouteRequests over NATS with ``--in-flight`` outstanding, and
+reports decisions per second and client-side latency percentiles (request/reply round
+trip: msgpack encode, NATS hop, decision, reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.scheduler.bench import WORKLOADS, make_stream
+from services.scheduler.policies import POLICY_NAMES
+from shared.bus import Bus
+from shared.messages import ROUTE_REPLY, LoadReportEvent, RouteRequest
+from shared.servers import ManagedProcess, child_env, start_nats, start_redis
+from shared.subjects import Subjects
+
+PREFIX = "benchlive"
+REPORT_INTERVAL_S = 0.25
+BLOCKS_PER_WORKER = 12_407  # mistral-7b-a6000: 198,516 tokens / 16
+
+
+async def _report_loop(bus: Bus, workers: list[str]) -> None:
+    while True:
+        for w in workers:
+            await bus.publish(bus.subjects.load(w), LoadReportEvent(
+                worker_id=w, ts=time.time(), total_blocks=BLOCKS_PER_WORKER,
+                free_blocks=BLOCKS_PER_WORKER))
+        await asyncio.sleep(REPORT_INTERVAL_S)
+
+
+async def _run(nats_url: str, args: argparse.Namespace) -> dict:
+    bus = await Bus.connect(nats_url, Subjects(PREFIX), "bench-live")
+    workers = [f"w{i}" for i in range(args.workers)]
+    reporter = asyncio.create_task(_report_loop(bus, workers))
+    try:
+        stream = make_stream(args.workload, None, args.seed)
+        reqs = [next(stream).route for _ in range(args.warmup + args.requests)]
+        msgs = [RouteRequest(request_id=r.request_id, block_hashes=r.block_hashes,
+                             prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens)
+                for r in reqs]
+        # Wait until the scheduler routes (it has seen the workers' reports).
+        deadline = time.monotonic() + 30
+        while True:
+            reply = await bus.request(bus.subjects.route, msgs[0], ROUTE_REPLY, 5)
+            if reply.worker_id:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"scheduler never routed: {reply.error}")
+            await asyncio.sleep(0.1)
+        latencies: list[float] = []
+        sem = asyncio.Semaphore(args.in_flight)
+
+        async def one(msg: RouteRequest, timed: bool) -> None:
+            async with sem:
+                t0 = time.perf_counter()
+                r = await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)
+                if not r.worker_id:
+                    raise RuntimeError(f"routing failed: {r.error}")
+                if timed:
+                    latencies.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(one(m, False) for m in msgs[: args.warmup]))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(m, True) for m in msgs[args.warmup:]))
+        elapsed = time.perf_counter() - t0
+    finally:
+        reporter.cancel()
+        await asyncio.gather(reporter, return_exceptions=True)
+        await bus.close()
+    latencies.sort()
+    return {
+        "workload": args.workload, "workers": args.workers, "policy": args.policy,
+        "mode": "live", "in_flight": args.in_flight,
+        "decisions_per_s": round(len(latencies) / elapsed, 1),
+        "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
+        "p99_us": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="prefixmesh bench-scheduler --live",
+        description="Time routing decisions through a scheduler process over NATS.")
+    ap.add_argument("--workload", choices=WORKLOADS, default="toolbench")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=20_000, help="timed decisions")
+    ap.add_argument("--warmup", type=int, default=5_000, help="untimed decisions first")
+    ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
+    ap.add_argument("--in-flight", type=int, default=100, help="outstanding requests")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the result here too")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
+    nats_proc, nats_url = start_nats(log_path=tmp / "nats.log")
+    redis_proc, redis_url = start_redis(data_dir=tmp, log_path=tmp / "redis.log")
+    sched = ManagedProcess("scheduler", [sys.executable, "-m", "services.scheduler"],
+                           env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
+                                         PM_SUBJECT_PREFIX=PREFIX, PM_REDIS_PREFIX=PREFIX,
+                                         PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",
+                                         # The fake workers' reports share this client's
+                                         # busy event loop: be lenient about their timing.
+                                         PM_MISSED_REPORTS="40"),
+                           log_path=tmp / "scheduler.log").start()
+    try:
+        result = asyncio.run(_run(nats_url, args))
+    finally:
+        sched.stop()
+        redis_proc.stop()
+        nats_proc.stop()
+    text = json.dumps(result)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

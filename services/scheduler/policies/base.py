@@ -1,0 +1,172 @@
+"""The global-policy interface: inputs, decisions, configuration (DESIGN.md s.5).
+
+Policies are pure: no asyncio, no I/O, no clock. The scheduler service (or the cluster
+simulator) passes ``now`` in seconds on one monotonic clock; snapshots store times
+relative to the last ``now`` seen, so a restored policy may run on another clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
+
+
+class NoWorkerError(RuntimeError):
+    """No worker is eligible for the request (none registered, or all excluded)."""
+
+
+class RouteInput(msgspec.Struct, frozen=True):
+    """What the edge knows about a request when it asks for a worker."""
+
+    request_id: str
+    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain).
+    block_hashes: list[int]
+    prompt_tokens: int
+    max_tokens: int
+    tenant: str = ""
+    # Predicted output tokens (0 = none: the policy uses its windowed average).
+    predicted_output: float = 0.0
+    # Workers already tried for this request (retry after a failure).
+    exclude: Collection[str] = frozenset()
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """The chosen worker and why (a Struct: built on every decision, so it must be cheap)."""
+
+    worker_id: str
+    # "exploit" | "explore" | "pd_balance" | "rebalance" | "replicate" | a baseline's name.
+    kind: str
+    # Prompt tokens the policy believes are cached on the chosen worker.
+    matched_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Every knob of every global policy, with units. Defaults follow DESIGN.md s.5 and the
+    projects the baselines come from."""
+
+    # ---------------------------------------------------------------- E2 (Preble)
+    # H: sliding window of the load estimate L, the per-node request counts and the average
+    # output length (seconds).
+    window_s: float = 180.0
+    # IMBALR: a worker whose decode share of scheduled tokens (load reports, [0, 1]) is
+    # above this is decode-dominated and gets the next cold (prefill-heavy) request.
+    imbalance_ratio: float = 0.5
+    # Guard on that rule: the decode-dominated worker gets the cold request only when its
+    # load cost is at most this multiple of the best worker's (a stale report must not
+    # override a clearly better choice).
+    pd_max_cost_ratio: float = 2.0
+    # Load reports older than this are ignored (seconds; workers report every 0.25 s).
+    load_report_stale_s: float = 2.0
+    # Th_bal: rebalance when the exploit worker's L exceeds this multiple of the lightest's
+    # (inf turns route-time rebalancing and the L-based overload signal off).
+    th_bal: float = 1.5
+    # ... and only when that worker is busy at all: L / H above this (estimated fraction of
+    # its GPU time in the window). Below it nothing queues and a move only costs a prefill.
+    rebalance_min_util: float = 0.05
+    # Running batch assumed when pricing one more decoding sequence (sequences): DT is the
+    # marginal cost of a sequence in a continuously batched step, not a lone decode step.
+    dt_batch_size: int = 32
+    # Output length assumed before any completion was seen (tokens).
+    default_output_tokens: int = 64
+
+    # ---------------------------------------------------------------- E2 replication
+    # A node carrying at least this fraction of its worker's window requests is a hot
+    # prefix of that worker ([0, 1]) ...
+    replicate_share: float = 0.3
+    # ... given at least this many window requests on that worker.
+    replicate_min_requests: int = 16
+    # Overload signal from queueing time: mean over the recent half of H at least this
+    # multiple of the mean over the older half ("average queueing time doubles over H") ...
+    replicate_queue_growth: float = 2.0
+    # ... and at least this long (seconds), so 1 ms -> 2 ms is not an overload.
+    replicate_min_queue_s: float = 0.1
+    # Most workers one hot prefix is spread over (0 = no limit).
+    replicate_max_workers: int = 8
+    # Least time between two changes of one prefix's replica set (seconds).
+    replicate_cooldown_s: float = 10.0
+    # Shrink a replica set when the prefix's window requests fall below this fraction of
+    # their peak since the last change and none of its workers is overloaded.
+    shrink_ratio: float = 0.5
+
+    # ---------------------------------------------------------------- prefix tree budget
+    # Hard bounds on the global tree (nodes; tokens), LRU-pruned beyond them.
+    tree_max_nodes: int = 262_144
+    tree_max_tokens: int = 8_388_608
+
+    # ---------------------------------------------------------------- baselines
+    # prefix_hash: tokens of the prompt head that pick the ring position (the block hash at
+    # this depth names the whole head), and virtual nodes per worker on the ring.
+    prefix_hash_tokens: int = 512
+    prefix_hash_vnodes: int = 64
+    # cache_aware (SGLang router): balance when max_load - min_load > abs (requests) and
+    # max_load > rel * min_load; else the longest match when match ratio > threshold.
+    ca_balance_abs: int = 64
+    ca_balance_rel: float = 1.5
+    ca_cache_threshold: float = 0.3
+    # Per-worker size of its approximate tree before LRU trimming (tokens; SGLang's
+    # max_tree_size is 2**24 characters).
+    ca_max_tree_tokens: int = 16_777_216
+    # kv_cost (Dynamo KV router): cost = overlap_weight * prefill blocks + decode blocks.
+    kv_overlap_weight: float = 1.0
+    # Dynamo builds its index from KV events; False approximates it from routing decisions.
+    kv_use_events: bool = True
+    # weighted (llm-d): weights of the prefix, queue and KV-utilisation scorers.
+    weighted_prefix: float = 3.0
+    weighted_queue: float = 2.0
+    weighted_kv: float = 2.0
+    # Outstanding requests with no completion record after this long are forgotten (s).
+    outstanding_ttl_s: float = 600.0
+    # Seed of the random tie-breaks (kv_cost, weighted).
+    seed: int = 0
+
+
+@runtime_checkable
+class GlobalPolicy(Protocol):
+    """What the scheduler service and the cluster simulator drive."""
+
+    def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None:
+        """Register a worker (idempotent: a known worker only gets its capacity updated)."""
+        ...
+
+    def remove_worker(self, worker_id: str, now: float) -> None:
+        """Drop a worker from routing and from the cache model."""
+        ...
+
+    @property
+    def workers(self) -> Collection[str]:
+        """Registered worker ids."""
+        ...
+
+    def route(self, req: RouteInput, now: float) -> Decision:
+        """Choose a worker; raises ``NoWorkerError`` when none is eligible."""
+        ...
+
+    def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
+        """Apply a worker's KV cache events (vLLM schema)."""
+        ...
+
+    def on_load(self, report: LoadReportEvent, now: float) -> None:
+        """Take a worker's periodic load report."""
+        ...
+
+    def on_done(self, done: RequestDoneEvent, now: float) -> None:
+        """Take a request's completion record."""
+        ...
+
+    def tick(self, now: float) -> None:
+        """Background maintenance; cheap, and never needed for ``route`` to be correct."""
+        ...
+
+    def snapshot(self) -> bytes:
+        """State as msgpack bytes (for Redis)."""
+        ...
+
+    def restore(self, data: bytes) -> None:
+        """Replace the state by a ``snapshot()``."""
+        ...

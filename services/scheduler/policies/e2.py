@@ -1,0 +1,379 @@
+"""Preble's E2 global policy, with GPU-time load estimates, the eviction term and working
+replication (DESIGN.md s.5).
+
+For request R: ``cached`` = tokens of the deepest matched tree node that an eligible
+worker caches, ``missed`` = prompt - cached.
+
+- Exploit (``missed < cached``): among the workers caching that node, the lowest load cost
+  ``L + M + P``. If that worker is heavy (``L > th_bal x`` the lightest worker's ``L``) and
+  the lightest worker is cheaper even after prefilling what it misses, R goes there
+  instead (``rebalance``); the tree then records the prefix on both and later requests
+  split by load. A hot prefix in the replication registry with a replica that does not
+  cache it yet sends R to that replica (``replicate``).
+- Explore: a decode-dominated worker (decode share > IMBALR in its fresh load report)
+  takes the cold request (``pd_balance``) unless it is much costlier than the best;
+  otherwise the lowest ``L + M + P`` over all workers.
+
+``L`` is kept by ``e2_load.LoadWindow``, ``M`` and ``P`` are priced by ``e2_cost.LoadCost``.
+The decision is recorded in the tree at once, so the next request sees it before any KV
+event arrives; KV events then confirm or evict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping
+from operator import attrgetter
+
+from services.scheduler.policies import e2_state
+from services.scheduler.policies.base import (
+    Decision,
+    NoWorkerError,
+    PolicyConfig,
+    RouteInput,
+)
+from services.scheduler.policies.costs import CostTables
+from services.scheduler.policies.e2_cost import LoadCost
+from services.scheduler.policies.e2_load import LoadWindow, WorkerState
+from services.scheduler.policies.e2_replicate import Replicator
+from services.scheduler.policies.tracking import GPU_MEDIA
+from shared.costmodel import CostModel
+from shared.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    LoadReportEvent,
+    RequestDoneEvent,
+)
+from shared.prefix_tree import Node, PrefixTree
+
+_LOAD = attrgetter("L")
+
+
+class E2Policy:
+    """E2: exploit cached prefixes, explore by prompt-aware GPU-time load cost."""
+
+    name = "e2"
+
+    def __init__(self, config: PolicyConfig, cost: CostModel) -> None:
+        self.cfg = config
+        self.cost = cost
+        self.block = cost.block_size
+        self.tree = PrefixTree(config.tree_max_nodes, config.tree_max_tokens, cost.block_size)
+        self.tables = CostTables(cost, config.dt_batch_size)
+        self.window = LoadWindow(config.window_s, self.tree, self.tables)
+        self.replicator = Replicator(config, self.tree)
+        self._ws: dict[str, WorkerState] = {}
+        self._decode_heavy: set[str] = set()
+        self._rot = 0
+        self._now = 0.0
+        self._rebase = False
+        self.price = LoadCost(self.tree, self.tables)
+        # Config values read on every decision, kept as plain attributes.
+        self._window_s = config.window_s
+        self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
+        self._th_bal = config.th_bal
+        self._rebalance = math.isfinite(config.th_bal)  # th_bal = inf turns rebalancing off
+        self._pd_ratio = config.pd_max_cost_ratio
+        self._default_out = float(config.default_output_tokens)
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def workers(self) -> Collection[str]:
+        """Registered worker ids."""
+        return self._ws.keys()
+
+    def worker_state(self, worker_id: str) -> WorkerState:
+        """E2's bookkeeping of one worker (read-only use: tests, metrics)."""
+        return self._ws[worker_id]
+
+    def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None:
+        """Register a worker; a known one only gets its KV capacity updated."""
+        self._clock(now)
+        cap = capacity_tokens if capacity_tokens > 0 else self.cost.kv_capacity_tokens
+        ws = self._ws.get(worker_id)
+        if ws is None:
+            self._ws[worker_id] = WorkerState(worker_id, cap // self.block)
+            self.window.light = None
+            self.tree.add_worker(worker_id)
+        else:
+            ws.capacity_blocks = cap // self.block
+
+    def remove_worker(self, worker_id: str, now: float) -> None:
+        """Forget a worker: out of routing, out of every caching set and replica set."""
+        self._clock(now)
+        ws = self._ws.pop(worker_id, None)
+        if ws is None:
+            return
+        ws.alive = False
+        self.window.light = None
+        self._decode_heavy.discard(worker_id)
+        self.tree.clear_worker(worker_id, forget=True)
+        self.replicator.forget_worker(worker_id)
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, req: RouteInput, now: float) -> Decision:
+        """Choose a worker for ``req`` and record the decision in the tree."""
+        if self._rebase:
+            self._clock(now)
+        self._now = now
+        win = self.window
+        cut = now - self._window_s
+        if (win.entries and win.entries[0].t < cut) or (win.outputs and win.outputs[0][0] < cut):
+            win.expire(now)
+        workers = self._ws
+        if req.exclude:
+            workers = {w: s for w, s in workers.items() if w not in req.exclude}
+        if not workers:
+            raise NoWorkerError("no eligible worker")
+        tree = self.tree
+        root = tree.root
+        hashes = req.block_hashes
+        node, m = tree.match(hashes)
+        block = self.block
+        prompt = req.prompt_tokens
+        if prompt < len(hashes) * block:
+            prompt = len(hashes) * block
+        # Deepest matched node cached by an eligible worker.
+        d, depth = node, m
+        while d is not root:
+            if d.workers and (workers is self._ws or any(w in workers for w in d.workers)):
+                break
+            depth = d.start
+            d = d.parent  # type: ignore[assignment]
+        price = self.price
+        price.node, price.path = node, None  # start pricing this request
+        # Exploit when missed < cached, i.e. prompt - cached < cached.
+        if d is not root and prompt < 2 * depth * block:
+            ws, kind, got = self._exploit(workers, node, m, d, depth, prompt)
+        else:
+            ws, kind, got = self._explore(workers, node, m, prompt, now)
+        self._record(req, ws, node, m, prompt, got, now)
+        matched = got * block
+        return Decision(ws.id, kind, matched if matched < req.prompt_tokens else req.prompt_tokens)
+
+    def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
+        """``(L, M, P)`` of every eligible worker for ``req``, in seconds, without routing
+        it (for debugging, dashboards and tests)."""
+        if self._rebase:
+            self._clock(now)
+        self.window.expire(now)
+        node, m = self.tree.match(req.block_hashes)
+        self.price.begin(node)
+        prompt = max(req.prompt_tokens, len(req.block_hashes) * self.block)
+        depths = self.tree.cached_depths(node, m) if m else {}
+        out = {}
+        for w, ws in self._ws.items():
+            if w not in req.exclude:
+                out[w] = self.price.terms(ws, depths.get(w, 0), prompt)
+        return out
+
+    def _exploit(
+        self,
+        workers: Mapping[str, WorkerState],
+        node: Node,
+        m: int,
+        d: Node,
+        depth: int,
+        prompt: int,
+    ) -> tuple[WorkerState, str, int]:
+        if self.replicator.entries:
+            rep = self.replicator.lookup(d)
+            if rep is not None and rep.pending:
+                target = self.replicator.take_pending(rep, workers)
+                if target is not None:
+                    self.replicator.seeded(rep, target.id)
+                    return target, "replicate", self._depth_on(target.id, node, m)
+        holders = d.workers
+        best_cost = -1.0  # computed only if needed
+        if len(holders) == 1 and workers is self._ws:
+            best = workers[next(iter(holders))]
+        else:
+            cands = [workers[w] for w in holders if w in workers]
+            if len(cands) == 1:
+                best = cands[0]
+            else:
+                i, best_cost = self.price.cheapest(cands, [depth] * len(cands), prompt)
+                best = cands[i]
+        # Rebalance: direct a heavy worker's exploit traffic to the lightest worker while
+        # that is cheaper even counting the prefill it has to do (the gap closes as L moves).
+        if not self._rebalance:
+            return best, "exploit", depth
+        light = self.window.light if workers is self._ws else None
+        if light is None:
+            light = self._lightest(workers)
+        if light is not best and best.L > self._busy_l and best.L > self._th_bal * light.L:
+            if best_cost < 0:
+                best_cost = self.price.cost(best, depth, prompt)
+            got = self._depth_on(light.id, node, m)
+            if self.price.cost(light, got, prompt) < best_cost:
+                return light, "rebalance", got
+        return best, "exploit", depth
+
+    def _lightest(self, workers: Mapping[str, WorkerState]) -> WorkerState:
+        """The worker with the least L (kept by the window; rescanned when unknown)."""
+        if workers is not self._ws:
+            return min(workers.values(), key=_LOAD)
+        light = self.window.light
+        if light is None:
+            light = self.window.light = min(workers.values(), key=_LOAD)
+        return light
+
+    def _explore(
+        self,
+        workers: Mapping[str, WorkerState],
+        node: Node,
+        m: int,
+        prompt: int,
+        now: float,
+    ) -> tuple[WorkerState, str, int]:
+        depths = self.tree.cached_depths(node, m) if m else {}
+        ws_list = list(workers.values())
+        # Rotating start: among equal costs the choice moves on instead of piling up.
+        self._rot = rot = (self._rot + 1) % len(ws_list)
+        order = ws_list[rot:] + ws_list[:rot]
+        get = depths.get
+        cached = [get(ws.id, 0) for ws in order] if depths else [0] * len(order)
+        i, best_cost = self.price.cheapest(order, cached, prompt)
+        best, got = order[i], cached[i]
+        pd = self._pd_candidate(workers, now) if self._decode_heavy else None
+        if pd is not None:
+            pd_got = get(pd.id, 0)
+            if pd is best or self.price.cost(pd, pd_got, prompt) <= self._pd_ratio * best_cost:
+                pd.pd_used = True
+                return pd, "pd_balance", pd_got
+        return best, "explore", got
+
+    def _pd_candidate(self, workers: Mapping[str, WorkerState], now: float) -> WorkerState | None:
+        """The lightest decode-dominated worker with a fresh, unused load report."""
+        stale = now - self.cfg.load_report_stale_s
+        best = None
+        for w in self._decode_heavy:
+            ws = workers.get(w)
+            if ws is None or ws.pd_used or ws.report_ts < stale:
+                continue
+            if best is None or ws.L < best.L:
+                best = ws
+        return best
+
+    def _depth_on(self, worker: str, node: Node, m: int) -> int:
+        """Blocks of R's matched path cached on ``worker``."""
+        root = self.tree.root
+        depth = m
+        while node is not root:
+            if worker in node.workers:
+                return depth
+            depth = node.start
+            node = node.parent  # type: ignore[assignment]
+        return 0
+
+    def _record(
+        self,
+        req: RouteInput,
+        ws: WorkerState,
+        node: Node,
+        m: int,
+        prompt: int,
+        got: int,
+        now: float,
+    ) -> None:
+        """Put the decision in the tree at once, charge L, model the worker's eviction."""
+        tree = self.tree
+        w = ws.id
+        leaf = tree.record(node, m, req.block_hashes, w, now)
+        over = tree.worker_blocks[w] - ws.capacity_blocks
+        if over > 0:
+            tree.evict_lru(w, over, protect=leaf)
+        out = req.predicted_output
+        if out <= 0:
+            outputs = self.window.outputs
+            out = self.window.out_sum / len(outputs) if outputs else self._default_out
+        if 0 < req.max_tokens < out:
+            out = req.max_tokens
+        prefill = self.tables.pt(prompt - got * self.block)
+        self.window.add(now, ws, leaf, req.request_id, prefill, prompt, out)
+
+    # ------------------------------------------------------------------ feedback
+
+    def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
+        """BlockStored adds the worker to caching sets, BlockRemoved / AllBlocksCleared drop it."""
+        self._clock(now)
+        if worker_id not in self._ws:
+            return
+        tree = self.tree
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.medium in GPU_MEDIA:
+                    tree.store(worker_id, ev.parent_block_hash, ev.block_hashes, now)
+            elif isinstance(ev, BlockRemoved):
+                if ev.medium in GPU_MEDIA:
+                    tree.remove_blocks(worker_id, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                tree.clear_worker(worker_id)
+
+    def on_load(self, report: LoadReportEvent, now: float) -> None:
+        """Decode share (prefill/decode balancing) and queueing time (overload signal)."""
+        self._clock(now)
+        ws = self._ws.get(report.worker_id)
+        if ws is None:
+            return
+        ws.decode_share = report.decode_share
+        ws.report_ts = now
+        ws.pd_used = False
+        if report.decode_share > self.cfg.imbalance_ratio:
+            self._decode_heavy.add(ws.id)
+        else:
+            self._decode_heavy.discard(ws.id)
+        ws.queue.add(now, report.avg_queue_s)
+
+    def on_done(self, done: RequestDoneEvent, now: float) -> None:
+        """Real output length into the window average and the request's L; queueing time."""
+        self._clock(now)
+        self.window.observe_done(done, now)
+        ws = self._ws.get(done.worker_id)
+        if ws is not None and done.finish_reason != "abort":
+            ws.queue.add(now, done.queue_s)
+
+    def tick(self, now: float) -> None:
+        """Window expiry, overload detection, hot-prefix replication and shrinking."""
+        self._clock(now)
+        self.window.expire(now)
+        self.tree.maintain()
+        half = self.cfg.window_s / 2
+        for ws in self._ws.values():
+            ws.queue.advance(now, half)
+        if self._ws:
+            self.replicator.tick(now, self._ws, self._overload_test())
+
+    def _overload_test(self) -> Callable[[WorkerState], bool]:
+        """Predicate: queueing time doubled over H, or L well above the cluster mean."""
+        cfg = self.cfg
+        mean_l = sum(ws.L for ws in self._ws.values()) / len(self._ws)
+        busy = cfg.rebalance_min_util * cfg.window_s
+
+        def overloaded(ws: WorkerState) -> bool:
+            if ws.queue.doubled(cfg.replicate_queue_growth, cfg.replicate_min_queue_s):
+                return True
+            return ws.L > busy and ws.L > cfg.th_bal * mean_l  # never true for th_bal = inf
+
+        return overloaded
+
+    # ------------------------------------------------------------------ persistence
+
+    def _clock(self, now: float) -> None:
+        if self._rebase:
+            e2_state.rebase(self, now)
+            self._rebase = False
+        self._now = now
+
+    def snapshot(self) -> bytes:
+        """Tree, window, workers and replica sets as msgpack (times relative to the last now)."""
+        return e2_state.dump(self)
+
+    def restore(self, data: bytes) -> None:
+        """Replace the state by a ``snapshot()``; times are rebased on the next call."""
+        e2_state.load(self, data)
+        self._rebase = True

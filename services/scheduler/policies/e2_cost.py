@@ -1,0 +1,96 @@
+"""E2's load cost of a request on a worker: ``L + M + P`` in estimated GPU seconds.
+
+- ``L``: the worker's windowed work (``e2_load.LoadWindow``).
+- ``M``: for each tree node ``j`` the worker would evict (LRU, in the scheduler's model of
+  its cache) to fit R's missing tokens, ``PT(len_j) * N_j`` with ``N_j`` = window requests
+  through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
+  most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
+- ``P``: ``PT(tokens of R not cached on the worker)``.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.policies.costs import CostTables
+from services.scheduler.policies.e2_load import WorkerState
+from shared.prefix_tree import Node, PrefixTree
+
+
+class LoadCost:
+    """Prices one request on candidate workers; ``begin`` it once per decision."""
+
+    def __init__(self, tree: PrefixTree, tables: CostTables) -> None:
+        self.tree = tree
+        self.tables = tables
+        self.block = tables.block
+        # The request being priced: the node its match ends in, and its path as a set
+        # (computed once, only when M needs it). Set both when starting a request.
+        self.node: Node = tree.root
+        self.path: set[Node] | None = None
+
+    def begin(self, node: Node) -> None:
+        """Start pricing a request whose match ends in ``node``."""
+        self.node = node
+        self.path = None
+
+    def terms(self, ws: WorkerState, cached_blocks: int, prompt: int) -> tuple[float, float, float]:
+        """``(L, M, P)`` of the request on ``ws`` given the blocks of it ``ws`` caches."""
+        missing = prompt - cached_blocks * self.block
+        return ws.L, self.evict_cost(ws, missing), self.tables.pt(missing)
+
+    def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
+        """``L + M + P`` (seconds)."""
+        missing = prompt - cached_blocks * self.block
+        return ws.L + self.tables.pt(missing) + self.evict_cost(ws, missing)
+
+    def evict_cost(self, ws: WorkerState, missing: int) -> float:
+        """M for fitting ``missing`` more tokens on ``ws``; 0 while they fit in free capacity."""
+        w = ws.id
+        over = self.tree.worker_blocks.get(w, 0) + -(-missing // self.block) - ws.capacity_blocks
+        if over <= 0 or ws.n <= 0:
+            return 0.0
+        path = self.path
+        if path is None:  # R's own path: computed once per decision, only when needed
+            path = self.path = set(self.tree.path(self.node))
+        pt = self.tables.pt
+        block = self.block
+        freed = 0
+        m = 0.0
+        for n in self.tree.worker_lru(w):
+            if n in path:
+                continue  # R itself refreshes these; the LRU will not pick them
+            size = len(n.hashes)
+            c = n.counts.get(w)
+            if c:
+                m += pt(size * block) * c
+            freed += size
+            if freed >= over:
+                break
+        return m / ws.n
+
+    def cheapest(
+        self, workers: list[WorkerState], cached: list[int], prompt: int
+    ) -> tuple[int, float]:
+        """Index and cost of the argmin of ``L + M + P`` over ``workers`` (``cached[i]`` =
+        blocks of the request ``workers[i]`` caches); the earliest wins ties.
+
+        Branch and bound: ``L + P`` is a lower bound (M >= 0), so M, the one term that walks
+        an LRU list, is computed only for workers whose bound beats the best cost so far.
+        """
+        pt = self.tables.pt
+        block = self.block
+        p_of: dict[int, float] = {}  # P by cached blocks: most workers share a few values
+        bounds = []
+        for ws, got in zip(workers, cached):
+            p = p_of.get(got)
+            if p is None:
+                p = p_of[got] = pt(prompt - got * block)
+            bounds.append(ws.L + p)
+        first = bounds.index(min(bounds))
+        best_i = first
+        best = bounds[first] + self.evict_cost(workers[first], prompt - cached[first] * block)
+        for i, lb in enumerate(bounds):
+            if lb < best and i != first:  # rare: M of the first pick exceeded a gap in L + P
+                c = lb + self.evict_cost(workers[i], prompt - cached[i] * block)
+                if c < best or (c == best and i < best_i):
+                    best_i, best = i, c
+        return best_i, best

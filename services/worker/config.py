@@ -1,0 +1,29 @@
+"""Worker configuration."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from shared.config import CommonConfig, option
+from shared.costmodel import DEFAULT_PROFILE
+
+
+@dataclass(frozen=True)
+class WorkerConfig(CommonConfig):
+    worker_id: str = option("", "this worker's id (empty = hostname-pid, unique per replica)")
+    backend: str = option("sim", "engine backend: sim (simulated GPU), hf, vllm",
+                          choices=("sim", "hf", "vllm"))
+    profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPU")
+    local_policy: str = option("prefix_fair", "local queue policy: fcfs, prefix_fair, ...")
+    model: str = option("smollm2-135m-instruct", "model served (name reported in load reports)")
+    tokenizer_path: str = option("", "tokenizer.json for detokenizing (empty = SmolLM2's)")
+    load_interval_s: float = option(0.25, "period of load reports to the scheduler (seconds)")
+    max_requests: int = option(4096, "queued + running requests before new ones are refused")
+    default_output_mean: float = option(
+        128.0, "sim: mean output tokens of a request with no length hint and no ignore_eos")
+
+    def resolved_worker_id(self) -> str:
+        """The configured id, or one unique to this host and process."""
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}".replace(".", "-")

@@ -1,0 +1,58 @@
+"""Local (per-worker) scheduling policies: the waiting queue and its admission order.
+
+Build one by name with ``make_local_policy``; DESIGN.md section 6 lists the policies.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from services.worker.local.base import (
+    CacheProbe,
+    LocalPolicy,
+    WaitingQueue,
+    prefill_estimate,
+    tokens_to_prefill,
+)
+from services.worker.local.fcfs import FcfsConfig, FcfsPolicy
+from services.worker.local.prefix_fair import PrefixFairConfig, PrefixFairPolicy
+
+# Names accepted by make_local_policy (sprpt_limited, srjf_calibrated, batch_groups: later).
+LOCAL_POLICIES: tuple[str, ...] = ("fcfs", "prefix_fair")
+DEFAULT_LOCAL_POLICY = "prefix_fair"
+
+LocalPolicyConfig = FcfsConfig | PrefixFairConfig
+_C = TypeVar("_C")
+
+
+def make_local_policy(name: str, config: LocalPolicyConfig | None = None) -> LocalPolicy:
+    """A fresh policy by name; ``config`` must be that policy's config type (None = defaults)."""
+    match name:
+        case "fcfs":
+            return FcfsPolicy(_checked(name, config, FcfsConfig))
+        case "prefix_fair":
+            return PrefixFairPolicy(_checked(name, config, PrefixFairConfig))
+    raise ValueError(f"unknown local policy {name!r} (known: {', '.join(LOCAL_POLICIES)})")
+
+
+def _checked(name: str, config: object, kind: type[_C]) -> _C | None:
+    if config is None or isinstance(config, kind):
+        return config
+    raise TypeError(f"local policy {name!r} takes {kind.__name__}, not {type(config).__name__}")
+
+
+__all__ = [
+    "DEFAULT_LOCAL_POLICY",
+    "LOCAL_POLICIES",
+    "CacheProbe",
+    "FcfsConfig",
+    "FcfsPolicy",
+    "LocalPolicy",
+    "LocalPolicyConfig",
+    "PrefixFairConfig",
+    "PrefixFairPolicy",
+    "WaitingQueue",
+    "make_local_policy",
+    "prefill_estimate",
+    "tokens_to_prefill",
+]

@@ -1,0 +1,253 @@
+"""Worker service: one engine replica behind its local queue, on the bus.
+
+Subscriptions: ``worker.<id>.submit`` (request/reply: queued or refused),
+``worker.<id>.abort``, ``worker.<id>.resync``. Publishes token streams to each request's
+``reply_to``, KV events on ``kv.<id>`` (per-worker sequence numbers), load reports on
+``load.<id>`` and completion records on ``done``.
+
+The engine is pure and clock-agnostic; this shell drives it in real time: plan a step,
+sleep its modelled duration, apply it, publish what it produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import zlib
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
+
+from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
+from services.worker.config import WorkerConfig
+from services.worker.engine.sim import SimEngine, SimEngineConfig
+from services.worker.engine.types import EngineRequest, StepOutput
+from services.worker.local import make_local_policy
+from services.worker.reports import done_record, load_report
+from shared.bus import Bus
+from shared.costmodel import CostModel
+from shared.lifecycle import TaskSet
+from shared.messages import (
+    WORKER_REQUEST,
+    AbortRequest,
+    ErrorInfo,
+    GenerateChunkEvent,
+    GenerateDoneEvent,
+    GenerateRequest,
+    KvEventBatch,
+    ResyncRequest,
+    SubmitReply,
+)
+from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from shared.subjects import Subjects
+
+log = logging.getLogger(__name__)
+
+STEPS = Counter("prefixmesh_worker_steps_total", "engine steps", ["worker"])
+STEP_TIME = Histogram("prefixmesh_worker_step_seconds", "engine step duration", ["worker"],
+                      buckets=LATENCY_BUCKETS_S)
+FINISHED = Counter("prefixmesh_worker_requests_total", "requests finished by reason",
+                   ["worker", "reason"])
+# Size of the word-token pool the simulated engine draws output tokens from.
+OUTPUT_POOL_SIZE = 256
+# Drain polls the engine this often (seconds).
+DRAIN_POLL_S = 0.02
+
+
+@dataclass(slots=True)
+class _Live:
+    """Per-request state the shell keeps beside the engine's."""
+
+    reply_to: str
+    tenant: str
+    detok: IncrementalDetokenizer
+
+
+def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
+    """Output length of a request that carries no hint: exponential around ``mean``,
+    deterministic per request id, clamped to [1, max_tokens]."""
+    u = (zlib.crc32(request_id.encode()) + 0.5) / 2**32  # uniform in (0, 1)
+    return max(1, min(max_tokens, round(-mean * math.log(u))))
+
+
+class WorkerService:
+    name = "worker"
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        if cfg.backend != "sim":
+            raise SystemExit(f"backend {cfg.backend!r} is not available in this build; use sim")
+        self.cfg = cfg
+        self.worker_id = cfg.resolved_worker_id()
+        self.cost = CostModel.load(cfg.profile)
+        self.engine: SimEngine | None = None
+        self.tok: TextTokenizer | None = None
+        self.bus: Bus | None = None
+        self.live: dict[str, _Live] = {}
+        self.kv_seq = 0
+        self._wake = asyncio.Event()
+        self._subs: list = []
+        self._accepting = True
+
+    # ------------------------------------------------------------------ intake
+
+    def _output_len(self, req: GenerateRequest) -> int:
+        s = req.sampling
+        if s.ignore_eos:
+            return s.max_tokens
+        if s.output_len_hint > 0:
+            return min(s.output_len_hint, s.max_tokens)
+        return sample_output_len(req.request_id, self.cfg.default_output_mean, s.max_tokens)
+
+    async def _on_request(self, msg: GenerateRequest | AbortRequest | ResyncRequest) -> SubmitReply:
+        if isinstance(msg, GenerateRequest):
+            return self._submit(msg)
+        if isinstance(msg, AbortRequest):
+            self._abort(msg.request_id)
+        elif isinstance(msg, ResyncRequest):
+            await self._resync()
+        return SubmitReply(request_id=getattr(msg, "request_id", ""), worker_id=self.worker_id)
+
+    def _submit(self, req: GenerateRequest) -> SubmitReply:
+        def refuse(why: str, code: str) -> SubmitReply:
+            return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
+                               accepted=False, error=ErrorInfo(why, code, retriable=True))
+
+        if not self._accepting:
+            return refuse("worker is shutting down", "unavailable")
+        if len(self.live) >= self.cfg.max_requests:
+            return refuse(f"worker queue full ({self.cfg.max_requests})", "overloaded")
+        if req.request_id in self.live:  # a retried submit of a request we already run
+            return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
+        try:
+            ereq = EngineRequest(
+                request_id=req.request_id, prompt_token_ids=req.token_ids,
+                max_tokens=req.sampling.max_tokens, output_len=self._output_len(req),
+                tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
+            )
+        except ValueError as exc:
+            return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
+                               accepted=False, error=ErrorInfo(str(exc), "bad_request"))
+        self.live[req.request_id] = _Live(req.reply_to, req.tenant,
+                                          IncrementalDetokenizer(self.tok))
+        self.engine.add(ereq, time.monotonic())
+        self._wake.set()
+        return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
+
+    def _abort(self, request_id: str) -> None:
+        if self.live.pop(request_id, None) is not None:
+            self.engine.abort(request_id, time.monotonic())
+            FINISHED.labels(self.worker_id, "abort").inc()
+            self._wake.set()
+
+    async def _resync(self) -> None:
+        """Re-send the whole cache state (the scheduler saw a sequence gap)."""
+        await self._publish_kv(self.engine.snapshot_events())
+
+    # ------------------------------------------------------------------ engine loop
+
+    async def _publish_kv(self, events: list) -> None:
+        if not events:
+            return
+        self.kv_seq += 1
+        await self.bus.publish(self.bus.subjects.kv(self.worker_id), KvEventBatch(
+            worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
+
+    async def _emit(self, out: StepOutput) -> None:
+        live = self.live.get(out.request_id)
+        if live is None:
+            return
+        if out.new_token_ids:
+            text = live.detok.step(out.new_token_ids)
+            if out.finished:
+                text += live.detok.flush()
+            await self.bus.publish(live.reply_to, GenerateChunkEvent(
+                request_id=out.request_id, token_ids=out.new_token_ids, text=text,
+                index=out.request.num_output_tokens - len(out.new_token_ids)))
+        if not out.finished:
+            return
+        del self.live[out.request_id]
+        record = done_record(self.worker_id, out.request, out.finish_reason or "length",
+                             live.tenant)
+        done = GenerateDoneEvent(
+            request_id=record.request_id, worker_id=self.worker_id,
+            finish_reason=record.finish_reason, prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens, cached_tokens=record.cached_tokens,
+            queue_s=record.queue_s, ttft_s=record.ttft_s, latency_s=record.latency_s)
+        await self.bus.publish(live.reply_to, done)
+        await self.bus.publish(self.bus.subjects.done, record)
+        FINISHED.labels(self.worker_id, done.finish_reason).inc()
+
+    async def _engine_loop(self) -> None:
+        """Run steps back to back while there is work; each lasts its modelled GPU time.
+
+        Steps are scheduled on an absolute timeline (the next starts when the previous
+        ends, or now if idle), so publishing overhead does not stretch simulated time.
+        """
+        gpu_free_at = time.monotonic()
+        while True:
+            now = time.monotonic()
+            start = max(now, gpu_free_at)
+            plan = self.engine.plan_step(start)
+            if plan is None:
+                await self._publish_kv(self.engine.take_kv_events())
+                self._wake.clear()
+                await self._wake.wait()
+                gpu_free_at = time.monotonic()
+                continue
+            gpu_free_at = start + plan.duration
+            delay = gpu_free_at - time.monotonic()
+            await asyncio.sleep(max(delay, 0.0))
+            outputs = self.engine.finish_step(plan, gpu_free_at)
+            STEPS.labels(self.worker_id).inc()
+            STEP_TIME.labels(self.worker_id).observe(plan.duration)
+            for out in outputs:
+                await self._emit(out)
+            await self._publish_kv(self.engine.take_kv_events())
+
+    async def _load_loop(self) -> None:
+        while True:
+            report = load_report(self.worker_id, self.engine.stats(time.monotonic()),
+                                 time.time(), self.cfg.backend, self.cfg.model, self.kv_seq)
+            await self.bus.publish(self.bus.subjects.load(self.worker_id), report)
+            await asyncio.sleep(self.cfg.load_interval_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        self.tok = await loop.run_in_executor(None, TextTokenizer.load,
+                                              self.cfg.tokenizer_path or None)
+        policy = make_local_policy(self.cfg.local_policy)
+        self.engine = SimEngine(self.cost, policy, SimEngineConfig(
+            output_token_pool=tuple(self.tok.word_token_ids(OUTPUT_POOL_SIZE))))
+        self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
+                                           f"worker-{self.worker_id}")
+        stack.push_async_callback(bus.close)
+        await serve_metrics(stack, self.cfg.metrics_port)
+        tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
+        s = bus.subjects
+        for subject in (s.worker_submit(self.worker_id), s.worker_abort(self.worker_id),
+                        s.worker_resync(self.worker_id)):
+            self._subs.append(await bus.serve(
+                subject, WORKER_REQUEST, self._on_request,
+                lambda why: SubmitReply(request_id="", worker_id=self.worker_id, accepted=False,
+                                        error=ErrorInfo(why, "bad_request"))))
+        tasks.spawn(self._engine_loop(), f"worker-{self.worker_id}-engine")
+        tasks.spawn(self._load_loop(), f"worker-{self.worker_id}-load")
+        log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,
+                 self.cfg.profile, self.cfg.local_policy, self.cost.capacity_blocks)
+
+    async def stop_intake(self) -> None:
+        self._accepting = False
+        submit = self.bus.subjects.worker_submit(self.worker_id)
+        for sub in list(self._subs):
+            if sub.subject == submit:
+                await sub.unsubscribe()
+                self._subs.remove(sub)
+
+    async def drain(self) -> None:
+        while self.live:
+            await asyncio.sleep(DRAIN_POLL_S)

@@ -1,0 +1,1 @@
+"""Code every prefixmesh service uses: wire messages, subjects, config, bus, lifecycle."""

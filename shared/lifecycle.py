@@ -1,0 +1,133 @@
+"""Service lifecycle: start, run until a signal, shut down in a written-down order.
+
+Shutdown order (every service):
+  1. a signal (SIGINT/SIGTERM) sets the stop event;
+  2. ``stop_intake()``: stop taking new work (unsubscribe, stop listening);
+  3. ``drain()``: finish in-flight work, bounded by ``drain_timeout_s``;
+  4. the exit stack unwinds in reverse order of ``start()``: background tasks are
+     cancelled, then clients (NATS, Redis) are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Service(Protocol):
+    """What ``run_service`` needs from a service."""
+
+    name: str
+
+    async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        """Build parts, connect, subscribe; register cleanups on ``stack``. Setting ``stop``
+        (e.g. when a background task crashes) shuts the service down."""
+
+    async def stop_intake(self) -> None:
+        """Stop accepting new work."""
+
+    async def drain(self) -> None:
+        """Return when in-flight work has finished."""
+
+
+class TaskSet:
+    """Owner of background tasks: spawned tasks are cancelled and awaited on ``aclose``.
+
+    A task that crashes is logged and, if ``on_crash`` is set, reported (a service sets
+    its stop event there so a dead background loop never goes unnoticed).
+    """
+
+    def __init__(self, on_crash: Callable[[BaseException], None] | None = None) -> None:
+        self._tasks: set[asyncio.Task] = set()
+        self._on_crash = on_crash
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("task %s crashed", task.get_name(), exc_info=exc)
+            if self._on_crash is not None:
+                self._on_crash(exc)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait_idle(self) -> None:
+        """Wait until every task has finished on its own."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    async def aclose(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def __aenter__(self) -> TaskSet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def run_service(service: Service, stop: asyncio.Event, drain_timeout_s: float,
+                      ready: Callable[[], None] | None = None) -> None:
+    """Run ``service`` until ``stop`` is set, then shut it down in order."""
+    async with AsyncExitStack() as stack:
+        await service.start(stack, stop)
+        log.info("%s ready", service.name)
+        if ready is not None:
+            ready()
+        await stop.wait()
+        log.info("%s stopping", service.name)
+        await service.stop_intake()
+        try:
+            await asyncio.wait_for(service.drain(), drain_timeout_s)
+        except TimeoutError:
+            log.warning("%s: drain timed out after %.1fs", service.name, drain_timeout_s)
+    log.info("%s stopped", service.name)
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set ``stop`` (once; a second signal is ignored while draining)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+def main(make_service: Callable[[], Service], drain_timeout_s: float) -> None:
+    """Process entry point: uvloop, signals, run until stopped."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a core dependency
+        uvloop = None
+
+    async def _amain() -> None:
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        await run_service(make_service(), stop, drain_timeout_s)
+
+    try:
+        if uvloop is not None:
+            uvloop.run(_amain())
+        else:
+            asyncio.run(_amain())
+    except KeyboardInterrupt:
+        sys.exit(130)

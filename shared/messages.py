@@ -1,0 +1,329 @@
+"""Every message that crosses a process boundary, in one place.
+
+All messages are msgspec Structs encoded as msgpack. Each NATS subject carries one tagged
+union (the ``tag`` is the class name), decoded by one module-level decoder. Schemas evolve
+only by adding fields at the end, with defaults.
+
+KV events follow vLLM's ``kv_events`` schema (``EventBatch`` of ``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``) so that vLLM replicas and the simulated GPU are
+consumed by the same scheduler code. Block hashes on our bus are always prefixmesh block
+hashes (``shared.blocks``); the vLLM bridge re-hashes from ``token_ids``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
+    """Base of all wire messages: tagged by class name, defaults omitted on the wire."""
+
+
+# --------------------------------------------------------------------------- common
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """One chat turn, OpenAI shape (text content only)."""
+
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """Sampling parameters carried from the edge to the engine."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    # vLLM extension: generate exactly max_tokens, ignoring end-of-sequence.
+    ignore_eos: bool = False
+    # Workload-attached output length (tokens) for the sim engine; 0 = unknown.
+    output_len_hint: int = 0
+    logprobs: int | None = None
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    """An error carried in a reply instead of raising across the bus."""
+
+    message: str
+    # Machine-readable kind: "bad_request", "overloaded", "unavailable", "internal", ...
+    code: str = "internal"
+    # True when the caller may retry the same request elsewhere.
+    retriable: bool = False
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+class TokenizeRequest(_Msg):
+    """Text or chat messages to token ids (subject ``tok.encode``)."""
+
+    request_id: str
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Add BOS etc. for plain text; chat prompts get the chat template instead.
+    add_special_tokens: bool = True
+    # For chat: append the assistant turn header so the model answers.
+    add_generation_prompt: bool = True
+
+
+class TokenizeReply(_Msg):
+    request_id: str
+    token_ids: list[int] = []
+    error: ErrorInfo | None = None
+
+
+class DetokenizeRequest(_Msg):
+    """Token ids to text (subject ``tok.encode`` too; same queue group)."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+class DetokenizeReply(_Msg):
+    request_id: str
+    text: str = ""
+    error: ErrorInfo | None = None
+
+
+TokenizerRequest = TokenizeRequest | DetokenizeRequest
+TokenizerReply = TokenizeReply | DetokenizeReply
+
+
+# --------------------------------------------------------------------------- predictor
+
+
+class PredictLengthRequest(_Msg):
+    """Initial output-length prediction for a prompt (subject ``predict.length``)."""
+
+    request_id: str
+    prompt_tokens: int
+    workload: str = ""
+    token_ids: list[int] = []
+
+
+class PredictLengthReply(_Msg):
+    request_id: str
+    # Predicted number of output tokens.
+    predicted_tokens: float = 0.0
+    error: ErrorInfo | None = None
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+class RouteRequest(_Msg):
+    """Ask the global scheduler which worker serves a request (subject ``sched.route``)."""
+
+    request_id: str
+    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted).
+    block_hashes: list[int]
+    prompt_tokens: int
+    max_tokens: int
+    tenant: str = ""
+    # Predicted output tokens (0 = none; the scheduler uses its windowed average).
+    predicted_output: float = 0.0
+    # Workers the edge already tried for this request (retry after a failure).
+    exclude: list[str] = []
+
+
+class RouteReply(_Msg):
+    request_id: str
+    worker_id: str = ""
+    # Why: "exploit", "explore", "pd_balance", "rebalance", "replicate", "round_robin", ...
+    decision: str = ""
+    # Tokens the scheduler believes are cached on the chosen worker.
+    matched_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class ResyncRequest(_Msg):
+    """Scheduler asks a worker to re-send its whole cache state (sequence gap detected)."""
+
+    worker_id: str
+    reason: str = ""
+
+
+SchedulerRequest = RouteRequest
+
+
+# --------------------------------------------------------------------------- worker
+
+
+class GenerateRequest(_Msg):
+    """A request handed to one worker (subject ``worker.<id>.submit``)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    # Subject the worker streams GenerateChunkEvent / GenerateDoneEvent to.
+    reply_to: str
+    tenant: str = ""
+    # Predicted output tokens for length-aware local policies (0 = none).
+    predicted_output: float = 0.0
+    # Offline batch id for batch-group scheduling ("" = interactive).
+    batch_id: str = ""
+    # Absolute wall-clock deadline (unix seconds, 0 = none).
+    deadline: float = 0.0
+    # Monotonic-free creation time at the edge (unix seconds) for queue-time accounting.
+    created: float = 0.0
+
+
+class AbortRequest(_Msg):
+    """Abort a request on a worker (subject ``worker.<id>.abort``)."""
+
+    request_id: str
+    reason: str = ""
+
+
+class SubmitReply(_Msg):
+    """A worker's acknowledgement of a GenerateRequest: queued, or refused with a reason."""
+
+    request_id: str
+    worker_id: str = ""
+    accepted: bool = True
+    error: ErrorInfo | None = None
+
+
+WorkerRequest = GenerateRequest | AbortRequest | ResyncRequest
+
+
+class GenerateChunkEvent(_Msg):
+    """Newly generated tokens of one request, streamed to ``GenerateRequest.reply_to``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    # Index of the first token of this chunk in the output.
+    index: int = 0
+
+
+class GenerateDoneEvent(_Msg):
+    """Final message of a request's stream: usage, timings, finish reason or error."""
+
+    request_id: str
+    worker_id: str
+    finish_reason: str = "length"  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Seconds spent waiting in the worker before the first scheduled step.
+    queue_s: float = 0.0
+    # Seconds from arrival at the worker to the first output token.
+    ttft_s: float = 0.0
+    # Seconds from arrival at the worker to completion.
+    latency_s: float = 0.0
+    error: ErrorInfo | None = None
+
+
+StreamEvent = GenerateChunkEvent | GenerateDoneEvent
+
+
+# --------------------------------------------------------------------------- KV events (vLLM schema)
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
+    """Blocks newly cached on a worker; ``token_ids`` covers all of them in order."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
+    """Blocks evicted from a worker's cache."""
+
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
+    """The worker's whole prefix cache was reset."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(_Msg):
+    """vLLM's EventBatch plus the worker id and a per-worker sequence number (``kv.<id>``)."""
+
+    worker_id: str
+    seq: int
+    ts: float
+    events: list[KvEvent]
+    data_parallel_rank: int | None = None
+
+
+# --------------------------------------------------------------------------- load and completion
+
+
+class LoadReportEvent(_Msg):
+    """A worker's periodic load snapshot (subject ``load.<id>``, every 250 ms by default)."""
+
+    worker_id: str
+    ts: float
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 16
+    # Fraction of the last window's scheduled tokens that were decode tokens, in [0, 1].
+    decode_share: float = 0.0
+    # Cached prompt tokens / prompt tokens over the last window, in [0, 1].
+    hit_ratio: float = 0.0
+    # Sum of (remaining prompt + remaining output) tokens queued or running.
+    outstanding_tokens: int = 0
+    backend: str = "sim"
+    model: str = ""
+    # Mean seconds a request waited in this worker's queue over the last window.
+    avg_queue_s: float = 0.0
+    # Last sequence number published on ``kv.<id>`` (lets the scheduler spot losses).
+    kv_seq: int = 0
+    # Steps executed over the last window and mean step duration (seconds).
+    steps: int = 0
+    avg_step_s: float = 0.0
+
+
+class RequestDoneEvent(_Msg):
+    """Completion record of one request, for the scheduler's window and metrics (``done``)."""
+
+    request_id: str
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    finish_reason: str = "length"
+    tenant: str = ""
+
+
+BusEvent = KvEventBatch | LoadReportEvent | RequestDoneEvent
+
+
+# --------------------------------------------------------------------------- codecs
+
+ENCODER = msgspec.msgpack.Encoder()
+
+TOKENIZER_REQUEST = msgspec.msgpack.Decoder(TokenizerRequest)
+TOKENIZER_REPLY = msgspec.msgpack.Decoder(TokenizerReply)
+PREDICT_REQUEST = msgspec.msgpack.Decoder(PredictLengthRequest)
+PREDICT_REPLY = msgspec.msgpack.Decoder(PredictLengthReply)
+ROUTE_REQUEST = msgspec.msgpack.Decoder(SchedulerRequest)
+ROUTE_REPLY = msgspec.msgpack.Decoder(RouteReply)
+WORKER_REQUEST = msgspec.msgpack.Decoder(WorkerRequest)
+SUBMIT_REPLY = msgspec.msgpack.Decoder(SubmitReply)
+STREAM_EVENT = msgspec.msgpack.Decoder(StreamEvent)
+BUS_EVENT = msgspec.msgpack.Decoder(BusEvent)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """Encode any wire message to msgpack bytes."""
+    return ENCODER.encode(msg)

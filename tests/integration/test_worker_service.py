@@ -1,0 +1,119 @@
+"""A worker (simulated GPU) on a real NATS server: submit, stream, abort, KV events, load."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from shared.bus import Bus
+from shared.messages import (
+    BUS_EVENT,
+    STREAM_EVENT,
+    SUBMIT_REPLY,
+    AbortRequest,
+    BlockStored,
+    GenerateChunkEvent,
+    GenerateDoneEvent,
+    GenerateRequest,
+    KvEventBatch,
+    LoadReportEvent,
+    RequestDoneEvent,
+    ResyncRequest,
+    SamplingParams,
+)
+from shared.subjects import Subjects
+from tests.helpers import eventually, running
+
+pytestmark = pytest.mark.integration
+
+
+class Recorder:
+    """Collects decoded messages per subject."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    async def __call__(self, msg) -> None:
+        self.items.append(msg)
+
+    def of(self, kind):
+        return [m for m in self.items if isinstance(m, kind)]
+
+
+@pytest.fixture
+async def mesh(nats_server: str, prefix: str):
+    bus = await Bus.connect(nats_server, Subjects(prefix), "test-client")
+    events, streams = Recorder(), Recorder()
+    s = bus.subjects
+    for subject in (s.kv_all, s.load_all, s.done):
+        await bus.subscribe(subject, BUS_EVENT, events)
+    await bus.subscribe(s.stream_inbox("t"), STREAM_EVENT, streams)
+    cfg = WorkerConfig(nats_url=nats_server, subject_prefix=prefix, worker_id="w0",
+                       load_interval_s=0.05, local_policy="fcfs")
+    async with running(WorkerService(cfg)) as worker:
+        yield bus, worker, events, streams
+    await bus.close()
+
+
+def _req(bus: Bus, rid: str, tokens: list[int], max_tokens: int = 5) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, token_ids=tokens, reply_to=bus.subjects.stream_reply(
+        "t", rid), sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def test_submit_streams_tokens_and_reports(mesh) -> None:
+    bus, worker, events, streams = mesh
+    await eventually(lambda: events.of(LoadReportEvent))
+    report = events.of(LoadReportEvent)[0]
+    assert report.worker_id == "w0" and report.total_blocks > 0
+    prompt = list(range(200, 264))
+    ack = await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "a", prompt),
+                            SUBMIT_REPLY, 5)
+    assert ack.accepted
+    await eventually(lambda: streams.of(GenerateDoneEvent))
+    chunks = streams.of(GenerateChunkEvent)
+    assert sum(len(c.token_ids) for c in chunks) == 5
+    assert "".join(c.text for c in chunks).strip()
+    done = streams.of(GenerateDoneEvent)[0]
+    assert (done.completion_tokens, done.prompt_tokens, done.finish_reason) == (5, 64, "length")
+    await eventually(lambda: events.of(RequestDoneEvent) and events.of(KvEventBatch))
+    stored = [e for b in events.of(KvEventBatch) for e in b.events if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) >= 4  # 64 prompt tokens = 4 full blocks
+    seqs = [b.seq for b in events.of(KvEventBatch)]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+    # Same prompt again: served from the prefix cache.
+    streams.items.clear()
+    await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "b", prompt), SUBMIT_REPLY, 5)
+    await eventually(lambda: streams.of(GenerateDoneEvent))
+    assert streams.of(GenerateDoneEvent)[0].cached_tokens >= 48
+
+
+async def test_abort_stops_a_request_and_resync_resends_the_cache(mesh) -> None:
+    bus, worker, events, streams = mesh
+    await bus.request(bus.subjects.worker_submit("w0"),
+                      _req(bus, "long", list(range(300, 300 + 64)), max_tokens=2000),
+                      SUBMIT_REPLY, 5)
+    await eventually(lambda: streams.of(GenerateChunkEvent))
+    await bus.publish(bus.subjects.worker_abort("w0"), AbortRequest(request_id="long"))
+    await eventually(lambda: not worker.live)
+    assert worker.engine.num_running == 0
+    await asyncio.sleep(0.1)
+    assert not streams.of(GenerateDoneEvent)  # an aborted stream gets nothing more
+    before = len(events.of(KvEventBatch))
+    await bus.publish(bus.subjects.worker_resync("w0"), ResyncRequest(worker_id="w0"))
+    await eventually(lambda: len(events.of(KvEventBatch)) > before)
+    snap = events.of(KvEventBatch)[-1]
+    assert type(snap.events[0]).__name__ == "AllBlocksCleared"
+    assert any(isinstance(e, BlockStored) for e in snap.events)
+
+
+async def test_bad_submissions_are_refused_not_dropped(mesh) -> None:
+    bus, worker, events, streams = mesh
+    ack = await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "empty", []),
+                            SUBMIT_REPLY, 5)
+    assert not ack.accepted and ack.error.code == "bad_request"
+    raw = await bus.nc.request(bus.subjects.worker_submit("w0"), b"junk", timeout=5)
+    assert not SUBMIT_REPLY.decode(raw.data).accepted

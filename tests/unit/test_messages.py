@@ -1,0 +1,60 @@
+"""Wire messages: round trips, tagged unions, and schema evolution."""
+
+import msgspec
+import pytest
+
+from shared import messages as m
+
+pytestmark = pytest.mark.unit
+
+
+def test_worker_union_round_trip_picks_the_right_type() -> None:
+    gen = m.GenerateRequest(request_id="r1", token_ids=[1, 2, 3],
+                            sampling=m.SamplingParams(max_tokens=5, ignore_eos=True),
+                            reply_to="pm.stream.e.r1")
+    abort = m.AbortRequest(request_id="r1")
+    assert m.WORKER_REQUEST.decode(m.encode(gen)) == gen
+    assert m.WORKER_REQUEST.decode(m.encode(abort)) == abort
+
+
+def test_stream_union_distinguishes_chunk_and_done() -> None:
+    chunk = m.GenerateChunkEvent(request_id="r", token_ids=[7], text="hi")
+    done = m.GenerateDoneEvent(request_id="r", worker_id="w0", cached_tokens=32)
+    assert isinstance(m.STREAM_EVENT.decode(m.encode(chunk)), m.GenerateChunkEvent)
+    assert m.STREAM_EVENT.decode(m.encode(done)).cached_tokens == 32
+
+
+def test_kv_events_follow_vllm_schema_and_nest_in_batches() -> None:
+    batch = m.KvEventBatch(worker_id="w0", seq=7, ts=1.5, events=[
+        m.BlockStored(block_hashes=[11, 12], parent_block_hash=None,
+                      token_ids=list(range(32)), block_size=16),
+        m.BlockRemoved(block_hashes=[11]),
+        m.AllBlocksCleared(),
+    ])
+    decoded = m.BUS_EVENT.decode(m.encode(batch))
+    assert decoded == batch
+    assert [type(e).__name__ for e in decoded.events] == [
+        "BlockStored", "BlockRemoved", "AllBlocksCleared"]
+
+
+def test_message_on_wrong_subject_is_rejected() -> None:
+    route = m.RouteRequest(request_id="r", block_hashes=[], prompt_tokens=1, max_tokens=1)
+    with pytest.raises(msgspec.ValidationError):
+        m.WORKER_REQUEST.decode(m.encode(route))
+
+
+def test_old_reader_ignores_new_fields_and_new_reader_defaults_missing_ones() -> None:
+    """Schema evolution: fields are only added at the end, with defaults."""
+
+    class RouteReplyV2(msgspec.Struct, tag="RouteReply", omit_defaults=True):
+        request_id: str
+        worker_id: str = ""
+        decision: str = ""
+        matched_tokens: int = 0
+        error: m.ErrorInfo | None = None
+        future_field: int = 5
+
+    new = msgspec.msgpack.encode(RouteReplyV2(request_id="r", worker_id="w", future_field=9))
+    assert m.ROUTE_REPLY.decode(new) == m.RouteReply(request_id="r", worker_id="w")
+    old = m.encode(m.RouteReply(request_id="r", worker_id="w"))
+    assert msgspec.msgpack.decode(old, type=RouteReplyV2).future_field == 5

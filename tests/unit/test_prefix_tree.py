@@ -1,0 +1,209 @@
+"""The global prefix tree: match, split, insert, caching sets, KV events, pruning, budget,
+snapshots."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shared.blocks import BLOCK_SIZE, block_hashes
+from shared.prefix_tree import PrefixTree
+
+pytestmark = pytest.mark.unit
+
+
+def toks(seed: int, n_blocks: int) -> list[int]:
+    """``n_blocks`` full blocks of deterministic pseudo-random token ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(32_000) for _ in range(n_blocks * BLOCK_SIZE)]
+
+
+def chain(*parts: list[int]) -> list[int]:
+    """Block hashes of the concatenated token lists."""
+    out: list[int] = []
+    for p in parts:
+        out += p
+    return block_hashes(out)
+
+
+def test_match_empty_tree_and_full_match():
+    tree = PrefixTree()
+    a = chain(toks(1, 10))
+    assert tree.match(a) == (tree.root, 0)
+    leaf = tree.insert(a, now=1.0)
+    assert len(leaf.hashes) == 10 and leaf.start == 0
+    assert tree.match(a) == (leaf, 10)
+    assert tree.match(a[:4]) == (leaf, 4)  # ends inside the node
+    assert tree.match([]) == (tree.root, 0)
+
+
+def test_partial_match_at_every_offset():
+    tree = PrefixTree()
+    shared = toks(1, 12)
+    leaf = tree.insert(chain(shared, toks(2, 5)), 0.0)
+    for k in range(0, 12):
+        other = chain(shared[: k * BLOCK_SIZE], toks(100 + k, 3))
+        node, m = tree.match(other)
+        assert m == k
+        assert node is (tree.root if k == 0 else leaf)
+
+
+def test_insert_splits_and_keeps_lower_identity():
+    tree = PrefixTree()
+    shared = toks(1, 4)
+    a = chain(shared, toks(2, 6))
+    b = chain(shared, toks(3, 2))
+    la = tree.insert(a, 1.0)
+    tree.touch(la, "w0", 1.0)
+    lb = tree.insert(b, 2.0)
+    upper = la.parent
+    # The old node keeps the deeper part; a new node above it holds the shared blocks.
+    assert upper is lb.parent and upper is not tree.root
+    assert (upper.start, len(upper.hashes)) == (0, 4)
+    assert (la.start, len(la.hashes)) == (4, 6)
+    assert (lb.start, len(lb.hashes)) == (4, 2)
+    # The split copies caching sets and window counts to the new upper part.
+    assert set(upper.workers) == {"w0"} and upper.counts == {"w0": 1}
+    assert len(tree) == 3 and tree.n_blocks == 12
+    assert tree.match(a) == (la, 10) and tree.match(b) == (lb, 6)
+    # A prompt ending at the split point gets that node back, without a new node.
+    assert tree.insert(a[:4], 3.0) is upper and len(tree) == 3
+
+
+def test_insert_ending_inside_a_node_splits_there():
+    tree = PrefixTree()
+    a = chain(toks(1, 8))
+    leaf = tree.insert(a, 0.0)
+    head = tree.insert(a[:3], 0.0)
+    assert head is leaf.parent and len(head.hashes) == 3 and len(leaf.hashes) == 5
+
+
+def test_touch_records_worker_counts_and_release_prunes():
+    tree = PrefixTree()
+    a = chain(toks(1, 4), toks(2, 4))
+    b = chain(toks(1, 4), toks(3, 4))
+    la = tree.insert(a, 0.0)
+    assert tree.touch(la, "w0", 0.0) == 8
+    lb = tree.insert(b, 1.0)
+    assert tree.touch(lb, "w1", 1.0) == 8
+    top = la.parent
+    assert set(top.workers) == {"w0", "w1"} and top.counts == {"w0": 1, "w1": 1}
+    assert tree.cached_depths(*tree.match(b)) == {"w1": 8, "w0": 4}
+    assert tree.cached_tokens("w0") == 8 * BLOCK_SIZE
+    # Window expiry alone does not prune: the workers still cache the blocks.
+    tree.release(lb, "w1")
+    tree.flush()
+    assert lb.alive and lb.counts == {} and top.counts == {"w0": 1}
+    # Once nobody caches it and no window request used it, it goes.
+    tree.drop_subtree(lb, "w1")
+    tree.flush()
+    assert not lb.alive and tree.match(b) == (top, 4)
+    assert tree.node_of(b[-1]) is None and tree.node_of(a[-1]) is la
+
+
+def test_unused_nodes_are_pruned_with_their_ancestors():
+    tree = PrefixTree()
+    a = chain(toks(1, 5))
+    leaf = tree.insert(a, 0.0)
+    tree.touch(leaf, "w0", 0.0)
+    tree.release(leaf, "w0")
+    tree.flush()
+    assert leaf.alive  # still cached
+    tree.clear_worker("w0")
+    tree.flush()
+    assert not leaf.alive and len(tree) == 0 and tree.n_blocks == 0
+
+
+def test_block_stored_confirms_inserts_and_rejects_orphans():
+    tree = PrefixTree()
+    a = chain(toks(1, 6))
+    # A chain from the root, as a worker reports it without any routing decision.
+    assert tree.store("w0", None, a[:4], 0.0)
+    node, m = tree.match(a)
+    assert m == 4 and set(node.workers) == {"w0"}
+    # Its continuation, placed through the parent hash.
+    assert tree.store("w0", a[3], a[4:], 1.0)
+    node, m = tree.match(a)
+    assert m == 6 and set(node.workers) == {"w0"}
+    # Another worker stores only the first 2 blocks: the node splits where its copy ends.
+    assert tree.store("w1", None, a[:2], 2.0)
+    assert tree.cached_depths(*tree.match(a)) == {"w0": 6, "w1": 2}
+    # Unknown parent: cannot be placed.
+    assert not tree.store("w0", 12345, [777, 778], 3.0)
+    assert tree.orphan_stores == 1
+
+
+def test_block_removed_drops_the_suffix_and_descendants():
+    tree = PrefixTree()
+    base = toks(1, 6)
+    a = chain(base, toks(2, 3))
+    b = chain(base, toks(3, 3))
+    for h in (a, b):
+        tree.touch(tree.insert(h, 0.0), "w0", 0.0)
+        tree.touch(tree.insert(h, 0.0), "w1", 0.0)
+    # w0 loses block 4 of the shared part: blocks 4.. and both branches are unusable.
+    tree.remove_blocks("w0", [a[4]])
+    assert tree.cached_depths(*tree.match(a)) == {"w0": 4, "w1": 9}
+    assert tree.cached_depths(*tree.match(b)) == {"w0": 4, "w1": 9}
+    assert tree.cached_tokens("w0") == 4 * BLOCK_SIZE
+    # Removing an unknown or uncached hash is harmless.
+    tree.remove_blocks("w0", [a[8], 999])
+    assert tree.cached_tokens("w0") == 4 * BLOCK_SIZE
+
+
+def test_worker_lru_evicts_descendants_first_and_respects_protect():
+    tree = PrefixTree()
+    base = toks(1, 4)
+    old = tree.insert(chain(base, toks(2, 2)), 0.0)
+    tree.touch(old, "w0", 0.0)
+    new = tree.insert(chain(base, toks(3, 2)), 1.0)
+    tree.touch(new, "w0", 1.0)
+    order = list(tree.worker_lru("w0"))
+    assert order == [old, new, new.parent]  # the shared parent is most recent
+    assert tree.evict_lru("w0", 1) == 2  # the least recent leaf goes whole
+    assert "w0" not in old.workers and "w0" in new.workers
+    assert tree.evict_lru("w0", 100, protect=new) == 0  # the protected path stays
+    assert tree.cached_tokens("w0") == 6 * BLOCK_SIZE
+
+
+def test_budget_bounds_memory_under_unique_prompts():
+    tree = PrefixTree(max_nodes=64, max_tokens=64 * 4 * BLOCK_SIZE)
+    hard = 64 + 64 // 8
+    for i in range(2_000):
+        leaf = tree.insert(chain(toks(i, 4)), float(i))
+        tree.touch(leaf, "w0", float(i))
+        assert len(tree) <= hard
+        if i % 10 == 0:
+            tree.maintain()
+            assert len(tree) <= 64 and tree.n_blocks <= 64 * 4
+    # The most recent prompts survive, the oldest are gone.
+    assert tree.match(chain(toks(1_999, 4)))[1] == 4
+    assert tree.match(chain(toks(0, 4)))[1] == 0
+    assert tree.budget_evictions > 0
+    assert tree.cached_tokens("w0") == tree.n_blocks * BLOCK_SIZE
+
+
+def test_snapshot_restore_round_trip():
+    tree = PrefixTree()
+    base = toks(1, 5)
+    prompts = [chain(base, toks(i, 3)) for i in range(2, 6)]
+    for i, h in enumerate(prompts):
+        tree.touch(tree.insert(h, float(i)), f"w{i % 2}", float(i))
+    tree.remove_blocks("w1", [prompts[1][6]])
+    data = tree.snapshot()
+    assert isinstance(data, bytes)
+    copy = PrefixTree()
+    copy.restore(data)
+    assert len(copy) == len(tree) and copy.n_blocks == tree.n_blocks
+    for h in prompts:
+        (n1, m1), (n2, m2) = tree.match(h), copy.match(h)
+        assert m1 == m2 and set(n1.workers) == set(n2.workers) and n1.counts == n2.counts
+        assert n1.last_access == n2.last_access
+        assert tree.cached_depths(n1, m1) == copy.cached_depths(n2, m2)
+    for w in ("w0", "w1"):
+        assert copy.cached_tokens(w) == tree.cached_tokens(w)
+        order = [(n.start, n.hashes) for n in tree.worker_lru(w)]
+        assert [(n.start, n.hashes) for n in copy.worker_lru(w)] == order
+    # The hash index works after a restore (KV events).
+    assert copy.node_of(prompts[0][-1]) is copy.match(prompts[0])[0]
