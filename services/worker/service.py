@@ -5,8 +5,11 @@ Subscriptions: ``worker.<id>.submit`` (request/reply: queued or refused),
 ``reply_to``, KV events on ``kv.<id>`` (per-worker sequence numbers), load reports on
 ``load.<id>`` and completion records on ``done``.
 
-The engine is pure and clock-agnostic; this shell drives it in real time: plan a step,
-sleep its modelled duration, apply it, publish what it produced.
+Two backends sit behind the same shell (``--backend``): ``sim``, a pure clock-agnostic
+engine this shell drives in real time (plan a step, sleep its modelled duration, apply it,
+publish what it produced: ``_engine_loop``); and ``vllm``, which runs its own loop
+(``VllmEngine.run``: admission in local-policy order, one stream per request, the KV-event
+bridge) and reports through the same ``_emit`` and ``_publish_kv``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
 from services.worker.config import WorkerConfig
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from services.worker.engine.types import EngineRequest, StepOutput
+from services.worker.engine.vllm_engine import (
+    VllmEngine,
+    VllmEngineConfig,
+    VllmUnavailable,
+    missing_dependencies,
+)
 from services.worker.local import make_local_policy
 from services.worker.reports import done_record, load_report
 from shared.bus import Bus
@@ -63,7 +72,8 @@ class _Live:
 
     reply_to: str
     tenant: str
-    detok: IncrementalDetokenizer
+    # None when the engine sends text itself (vllm detokenizes with the model's tokenizer).
+    detok: IncrementalDetokenizer | None
 
 
 def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
@@ -77,12 +87,15 @@ class WorkerService:
     name = "worker"
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        if cfg.backend != "sim":
-            raise SystemExit(f"backend {cfg.backend!r} is not available in this build; use sim")
+        if cfg.backend not in ("sim", "vllm"):
+            raise SystemExit(f"backend {cfg.backend!r} is not available in this build; "
+                             "use sim or vllm")
+        if cfg.backend == "vllm" and (why := missing_dependencies()):
+            raise SystemExit(why)
         self.cfg = cfg
         self.worker_id = cfg.resolved_worker_id()
         self.cost = CostModel.load(cfg.profile)
-        self.engine: SimEngine | None = None
+        self.engine: SimEngine | VllmEngine | None = None
         self.tok: TextTokenizer | None = None
         self.bus: Bus | None = None
         self.live: dict[str, _Live] = {}
@@ -127,12 +140,15 @@ class WorkerService:
                 max_tokens=req.sampling.max_tokens, output_len=self._output_len(req),
                 tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
             )
+            if isinstance(self.engine, VllmEngine):
+                self.engine.add(ereq, time.monotonic(), req.sampling)
         except ValueError as exc:
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
-        self.live[req.request_id] = _Live(req.reply_to, req.tenant,
-                                          IncrementalDetokenizer(self.tok))
-        self.engine.add(ereq, time.monotonic())
+        detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
+        self.live[req.request_id] = _Live(req.reply_to, req.tenant, detok)
+        if isinstance(self.engine, SimEngine):
+            self.engine.add(ereq, time.monotonic())
         self._wake.set()
         return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
 
@@ -155,14 +171,17 @@ class WorkerService:
         await self.bus.publish(self.bus.subjects.kv(self.worker_id), KvEventBatch(
             worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
 
-    async def _emit(self, out: StepOutput) -> None:
+    async def _emit(self, out: StepOutput, text: str = "") -> None:
+        """Stream a step's tokens to the request's caller; on its last step, the done
+        message and the completion record. ``text``: the engine's own detokenization."""
         live = self.live.get(out.request_id)
         if live is None:
             return
         if out.new_token_ids:
-            text = live.detok.step(out.new_token_ids)
-            if out.finished:
-                text += live.detok.flush()
+            if live.detok is not None:
+                text = live.detok.step(out.new_token_ids)
+                if out.finished:
+                    text += live.detok.flush()
             await self.bus.publish(live.reply_to, GenerateChunkEvent(
                 request_id=out.request_id, token_ids=out.new_token_ids, text=text,
                 index=out.request.num_output_tokens - len(out.new_token_ids)))
@@ -217,12 +236,21 @@ class WorkerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        self.tok = await loop.run_in_executor(None, TextTokenizer.load,
-                                              self.cfg.tokenizer_path or None)
         policy = make_local_policy(self.cfg.local_policy)
-        self.engine = SimEngine(self.cost, policy, SimEngineConfig(
-            output_token_pool=tuple(self.tok.word_token_ids(OUTPUT_POOL_SIZE))))
+        if self.cfg.backend == "vllm":
+            engine = VllmEngine(VllmEngineConfig(model=self.cfg.model), policy)
+            stack.callback(engine.close)  # after the engine task is cancelled (LIFO)
+            try:
+                engine.start()
+            except VllmUnavailable as exc:
+                raise SystemExit(str(exc)) from exc
+            self.engine = engine
+        else:
+            loop = asyncio.get_running_loop()
+            self.tok = await loop.run_in_executor(None, TextTokenizer.load,
+                                                  self.cfg.tokenizer_path or None)
+            self.engine = SimEngine(self.cost, policy, SimEngineConfig(
+                output_token_pool=tuple(self.tok.word_token_ids(OUTPUT_POOL_SIZE))))
         self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
                                            f"worker-{self.worker_id}")
         stack.push_async_callback(bus.close)
@@ -235,10 +263,13 @@ class WorkerService:
                 subject, WORKER_REQUEST, self._on_request,
                 lambda why: SubmitReply(request_id="", worker_id=self.worker_id, accepted=False,
                                         error=ErrorInfo(why, "bad_request"))))
-        tasks.spawn(self._engine_loop(), f"worker-{self.worker_id}-engine")
+        engine_loop = (self.engine.run(self._emit, self._publish_kv)
+                       if isinstance(self.engine, VllmEngine) else self._engine_loop())
+        tasks.spawn(engine_loop, f"worker-{self.worker_id}-engine")
         tasks.spawn(self._load_loop(), f"worker-{self.worker_id}-load")
         log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,
-                 self.cfg.profile, self.cfg.local_policy, self.cost.capacity_blocks)
+                 self.cfg.model if self.cfg.backend == "vllm" else self.cfg.profile,
+                 self.cfg.local_policy, self.engine.num_blocks)
 
     async def stop_intake(self) -> None:
         self._accepting = False
