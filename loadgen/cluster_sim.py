@@ -47,6 +47,9 @@ class ClusterConfig:
     drain_limit_s: float = 600.0
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     engine_config: SimEngineConfig | None = None
+    # Output-length predictions on requests, for sprpt_limited: "none", or "oracle" (the
+    # workload's real output length as predicted_output).
+    predictions: str = "none"
 
 
 @dataclass(slots=True)
@@ -134,7 +137,9 @@ class ClusterSim:
                     request_id=rid, prompt_token_ids=list(req.prompt),
                     max_tokens=max(req.max_tokens, req.output_len, 1),
                     output_len=req.output_len or req.max_tokens, tenant=req.tenant,
-                    block_hashes=hashes[i], batch_id=req.batch_id), now)
+                    block_hashes=hashes[i], batch_id=req.batch_id,
+                    predicted_output=float(req.output_len or req.max_tokens)
+                    if self.cfg.predictions == "oracle" else 0.0), now)
                 self._kick(d.worker_id, now)
             elif kind == _STEP:
                 w = payload

@@ -25,13 +25,14 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
                     local_policy=cfg.local_policy, workload=workload, rate=rate, gpus=cfg.gpus,
                     backend="sim")
     row.update(mode="virtual", profile=cfg.profile, virtual_s=round(run.duration_s, 3),
-               wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions)
+               wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions,
+               predictions=cfg.predictions)
     return row
 
 
 def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Sequence[str],
           local_policies: Sequence[str], profile: str, duration_s: float,
-          progress: bool = True) -> list[dict]:
+          progress: bool = True, predictions: str = "none") -> list[dict]:
     """Every (rate, policy, local policy) point over the same seeded requests and arrivals."""
     count = max(1, round(max(rates) * duration_s))
     requests = spec.requests(count)
@@ -41,7 +42,8 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
         arrivals = spec.times(rate, n)
         for policy in policies:
             for local in local_policies:
-                cfg = ClusterConfig(gpus=gpus, policy=policy, local_policy=local, profile=profile)
+                cfg = ClusterConfig(gpus=gpus, policy=policy, local_policy=local, profile=profile,
+                                    predictions=predictions)
                 row = simulate(requests[:n], arrivals, cfg, spec.workload, rate)
                 rows.append(row)
                 if progress:
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-policies", default="prefix_fair",
                    help=f"local policies: {', '.join(LOCAL_POLICIES)}")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
+    p.add_argument("--predictions", default="none", choices=("none", "oracle"),
+                   help="output-length predictions on requests (for sprpt_limited): none, "
+                   "or oracle = each request's real output length")
     p.add_argument("--duration", type=float, default=120.0,
                    help="seconds of arrivals per run (requests = rate x duration)")
     p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
@@ -81,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"unknown policy: {', '.join(bad)}")
     rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
-                 policies, locals_, args.profile, args.duration)
+                 policies, locals_, args.profile, args.duration,
+                 predictions=args.predictions)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"runs": rows}, indent=1))
     print(f"wrote {len(rows)} runs to {args.json}")

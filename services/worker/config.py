@@ -16,7 +16,9 @@ class WorkerConfig(CommonConfig):
     backend: str = option("sim", "engine backend: sim (simulated GPU), hf, vllm",
                           choices=("sim", "hf", "vllm"))
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPU")
-    local_policy: str = option("prefix_fair", "local queue policy: fcfs, prefix_fair, ...")
+    local_policy: str = option(
+        "prefix_fair",
+        "local queue policy: fcfs, prefix_fair, sprpt_limited, srjf_calibrated, batch_groups")
     model: str = option("smollm2-135m-instruct", "model served (name reported in load reports)")
     tokenizer_path: str = option("", "tokenizer.json for detokenizing (empty = SmolLM2's)")
     load_interval_s: float = option(0.25, "period of load reports to the scheduler (seconds)")

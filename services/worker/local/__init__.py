@@ -9,19 +9,31 @@ from typing import TypeVar
 
 from services.worker.local.base import (
     CacheProbe,
+    EngineView,
     LocalPolicy,
     WaitingQueue,
     prefill_estimate,
     tokens_to_prefill,
 )
+from services.worker.local.batch_groups import BatchGroupsConfig, BatchGroupsPolicy
 from services.worker.local.fcfs import FcfsConfig, FcfsPolicy
 from services.worker.local.prefix_fair import PrefixFairConfig, PrefixFairPolicy
+from services.worker.local.sprpt import SprptConfig, SprptPolicy
+from services.worker.local.srjf import SrjfConfig, SrjfPolicy
 
-# Names accepted by make_local_policy (sprpt_limited, srjf_calibrated, batch_groups: later).
-LOCAL_POLICIES: tuple[str, ...] = ("fcfs", "prefix_fair")
+# Names accepted by make_local_policy, in DESIGN.md section 6's order.
+LOCAL_POLICIES: tuple[str, ...] = (
+    "fcfs",
+    "prefix_fair",
+    "sprpt_limited",
+    "srjf_calibrated",
+    "batch_groups",
+)
 DEFAULT_LOCAL_POLICY = "prefix_fair"
 
-LocalPolicyConfig = FcfsConfig | PrefixFairConfig
+LocalPolicyConfig = (
+    FcfsConfig | PrefixFairConfig | SprptConfig | SrjfConfig | BatchGroupsConfig
+)
 _C = TypeVar("_C")
 
 
@@ -32,6 +44,12 @@ def make_local_policy(name: str, config: LocalPolicyConfig | None = None) -> Loc
             return FcfsPolicy(_checked(name, config, FcfsConfig))
         case "prefix_fair":
             return PrefixFairPolicy(_checked(name, config, PrefixFairConfig))
+        case "sprpt_limited":
+            return SprptPolicy(_checked(name, config, SprptConfig))
+        case "srjf_calibrated":
+            return SrjfPolicy(_checked(name, config, SrjfConfig))
+        case "batch_groups":
+            return BatchGroupsPolicy(_checked(name, config, BatchGroupsConfig))
     raise ValueError(f"unknown local policy {name!r} (known: {', '.join(LOCAL_POLICIES)})")
 
 
@@ -44,13 +62,20 @@ def _checked(name: str, config: object, kind: type[_C]) -> _C | None:
 __all__ = [
     "DEFAULT_LOCAL_POLICY",
     "LOCAL_POLICIES",
+    "BatchGroupsConfig",
+    "BatchGroupsPolicy",
     "CacheProbe",
+    "EngineView",
     "FcfsConfig",
     "FcfsPolicy",
     "LocalPolicy",
     "LocalPolicyConfig",
     "PrefixFairConfig",
     "PrefixFairPolicy",
+    "SprptConfig",
+    "SprptPolicy",
+    "SrjfConfig",
+    "SrjfPolicy",
     "WaitingQueue",
     "make_local_policy",
     "prefill_estimate",
