@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
 from shared.costmodel import DEFAULT_PROFILE, available_profiles
 
 BACKENDS = ("sim", "hf", "vllm")
@@ -20,7 +21,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=4, help="number of worker replicas")
     p.add_argument("--backend", choices=BACKENDS, default="sim", help="engine backend")
     p.add_argument("--policy", default="e2", help="global scheduling policy")
-    p.add_argument("--local-policy", default="prefix_fair", help="workers' local queue policy")
+    p.add_argument("--local-policy", default=DEFAULT_LOCAL_POLICY, choices=LOCAL_POLICIES,
+                   help="workers' local queue policy")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles(),
                    help="cost-model profile of the simulated GPUs")
     p.add_argument("--host", default="127.0.0.1", help="edge listen address")

@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
 from shared.config import CommonConfig, option
 from shared.costmodel import DEFAULT_PROFILE
 
@@ -16,9 +17,8 @@ class WorkerConfig(CommonConfig):
     backend: str = option("sim", "engine backend: sim (simulated GPU), hf, vllm",
                           choices=("sim", "hf", "vllm"))
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPU")
-    local_policy: str = option(
-        "prefix_fair",
-        "local queue policy: fcfs, prefix_fair, sprpt_limited, srjf_calibrated, batch_groups")
+    local_policy: str = option(DEFAULT_LOCAL_POLICY, "local queue policy (DESIGN.md s.6)",
+                               choices=LOCAL_POLICIES)
     model: str = option("smollm2-135m-instruct", "model served (name reported in load reports)")
     tokenizer_path: str = option("", "tokenizer.json for detokenizing (empty = SmolLM2's)")
     load_interval_s: float = option(0.25, "period of load reports to the scheduler (seconds)")

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.worker.engine import EngineRequest, SimEngine, SimEngineConfig
+from services.worker.engine.sim import SimEngine
+from services.worker.engine.types import EngineRequest, SimEngineConfig
 from services.worker.local import (
     LOCAL_POLICIES,
     BatchGroupsConfig,

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.worker.engine import EngineRequest, SimEngine, SimEngineConfig
+from services.worker.engine.sim import SimEngine
+from services.worker.engine.types import EngineRequest, SimEngineConfig
 from services.worker.local import (
     LOCAL_POLICIES,
     EngineView,

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.worker.engine import EngineRequest, SimEngine, SimEngineConfig
+from services.worker.engine.sim import SimEngine
+from services.worker.engine.types import EngineRequest, SimEngineConfig
 from services.worker.local import LOCAL_POLICIES, SrjfConfig, SrjfPolicy, make_local_policy
 from shared.costmodel import CostModel
 

@@ -6,14 +6,14 @@ import zlib
 
 import pytest
 
-from services.worker.engine import (
+from services.worker.engine.sim import SimEngine
+from services.worker.engine.types import (
+    DEFAULT_OUTPUT_TOKEN_POOL,
     EngineRequest,
-    SimEngine,
     SimEngineConfig,
     StepOutput,
     StepPlan,
 )
-from services.worker.engine.types import DEFAULT_OUTPUT_TOKEN_POOL
 from services.worker.local import FcfsPolicy, PrefixFairPolicy
 from shared.blocks import block_hashes
 from shared.costmodel import CostModel

@@ -1,32 +1,7 @@
-"""Engine backends behind the worker; ``sim`` (a simulated GPU scheduled like vLLM) lives here.
+"""Engine backends behind the worker: ``sim`` (a simulated GPU scheduled like vLLM, pure
+logic driven by the caller's clock; ``sim.SimEngine``) and ``vllm`` (``vllm_engine``).
 
-The engine is pure logic driven by the caller's clock; see ``sim.SimEngine``.
+Import from the modules themselves (``engine.sim``, ``engine.types``): this package
+re-exports nothing, so importing a light module such as ``engine.types`` never drags in
+the engine, and the local policies (which need ``engine.types``) can be imported first.
 """
-
-from services.worker.engine.block_cache import BlockCache
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    EngineRequest,
-    EngineStats,
-    RequestStatus,
-    SimEngineConfig,
-    StepOutput,
-    StepPlan,
-)
-
-__all__ = [
-    "FINISH_ABORT",
-    "FINISH_LENGTH",
-    "FINISH_STOP",
-    "BlockCache",
-    "EngineRequest",
-    "EngineStats",
-    "RequestStatus",
-    "SimEngine",
-    "SimEngineConfig",
-    "StepOutput",
-    "StepPlan",
-]
