@@ -22,6 +22,15 @@ Routing never reads it: index updates and pruning are queued and applied by ``fl
 video prefix costs the routing path nothing. A node/token budget bounds memory under an
 endless stream of unique prompts: ``maintain`` drops least recently accessed leaves.
 
+Persistence comes in two forms. ``snapshot``/``restore`` encode the whole tree at once
+(tests, the simulator). The scheduler service instead persists incrementally: with
+``track_changes`` on, every node whose run, caching set, counts or last access changed is
+kept in a dirty set and every pruned node's id in a list; ``take_changes`` hands both over
+in O(1) and ``node_record`` encodes one node (ids are stable, ``nid``), so a background
+task can write only what changed, a slice at a time, while routing goes on. A record holds
+each worker's LRU stamp (``Node.workers`` values: a counter taken when the node was last
+refreshed for that worker), from which ``load_records`` rebuilds every worker's LRU order.
+
 Node identity is stable in one direction: when a node splits, the existing object keeps
 the *lower* (deeper) part and a new node takes the upper part. Callers may therefore hold
 the node a request ended in and walk ``parent`` later (window expiry), across splits and
@@ -67,15 +76,17 @@ class Node(msgspec.Struct, eq=False, gc=False):
     parent: Node | None
     # First block hash of each child's run -> child.
     children: dict[int, Node] = {}
-    # Workers caching the whole run (routed there, or reported by KV events). A dict used
-    # as an ordered set (values None): unlike a set, a dict of strings is not tracked by
-    # the garbage collector, so the tree adds nothing to collection pauses.
-    workers: dict[str, None] = {}
+    # Workers caching the whole run (routed there, or reported by KV events) -> the LRU
+    # stamp of the node in that worker's cache model (larger = more recently used). A dict
+    # of strings to ints is not tracked by the garbage collector, unlike a set of nodes.
+    workers: dict[str, int] = {}
     # Worker -> requests in the policy window routed through this node (no zero entries).
     counts: dict[str, int] = {}
     last_access: float = 0.0
     # False once pruned from the tree.
     alive: bool = True
+    # Id unique within the tree and stable for the node's life (persistence key).
+    nid: int = 0
 
     @property
     def end(self) -> int:
@@ -103,6 +114,19 @@ class NodeState(msgspec.Struct, array_like=True):
     last_access: float
 
 
+class NodeRecord(msgspec.Struct, array_like=True):
+    """One node as persisted incrementally (``node_record``); times in the caller's epoch."""
+
+    nid: int
+    parent: int  # nid of the parent; -1 = root
+    start: int
+    hashes: tuple[int, ...]
+    # Worker -> LRU stamp.
+    workers: dict[str, int]
+    counts: dict[str, int]
+    last_access: float
+
+
 class TreeState(msgspec.Struct, array_like=True):
     """Whole tree: nodes parents-first and each worker's LRU order (oldest first)."""
 
@@ -113,6 +137,7 @@ class TreeState(msgspec.Struct, array_like=True):
 
 
 _TREE_DECODER = msgspec.msgpack.Decoder(TreeState)
+_RECORD_DECODER = msgspec.msgpack.Decoder(NodeRecord)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -150,6 +175,13 @@ class PrefixTree:
         self.orphan_stores = 0
         # Nodes dropped to respect the budget although possibly cached or in the window.
         self.budget_evictions = 0
+        # Next node id and next LRU stamp (both only grow).
+        self._next_nid = 1
+        self._stamp = 1
+        # Change tracking for incremental persistence (None: off): nodes changed since the
+        # last ``take_changes`` and ids of nodes pruned since.
+        self._dirty: dict[Node, None] | None = None
+        self._gone: list[int] = []
 
     def _dismantle(self) -> None:
         """Break the parent <-> children cycles of the current tree so it can be freed."""
@@ -265,9 +297,12 @@ class PrefixTree:
             node = self._split(node, matched - node.start)
         if matched == len(hashes):
             return node
-        leaf = Node(tuple(hashes[matched:]), matched, node, last_access=now)
+        leaf = Node(tuple(hashes[matched:]), matched, node, last_access=now, nid=self._next_nid)
+        self._next_nid += 1
         node.children[hashes[matched]] = leaf
         self._index_q.append(leaf)
+        if self._dirty is not None:
+            self._dirty[leaf] = None
         self.n_nodes += 1
         self.n_blocks += len(leaf.hashes)
         if self.n_nodes > self._hard_nodes or self.n_blocks > self._hard_blocks:
@@ -286,14 +321,27 @@ class PrefixTree:
         """Cut ``node`` after ``k`` blocks; a new node takes the upper part (returned)."""
         parent = node.parent
         assert parent is not None and node.alive and 0 < k < len(node.hashes)
+        # The upper part goes to the end of its workers' LRU orders (below), with fresh
+        # stamps to match, so a restored order equals the live one.
+        stamp = self._stamp
+        workers = {}
+        for w in node.workers:
+            workers[w] = stamp
+            stamp += 1
+        self._stamp = stamp
         upper = Node(
             node.hashes[:k],
             node.start,
             parent,
-            workers=dict(node.workers),
+            workers=workers,
             counts=dict(node.counts),
             last_access=node.last_access,
+            nid=self._next_nid,
         )
+        self._next_nid += 1
+        if self._dirty is not None:
+            self._dirty[upper] = None
+            self._dirty[node] = None
         node.hashes = node.hashes[k:]
         node.start += k
         node.parent = upper
@@ -325,6 +373,8 @@ class PrefixTree:
             self.add_worker(worker)
             wlru = self._wlru[worker]
         root = self.root
+        dirty = self._dirty
+        stamp = self._stamp
         added = 0
         node = leaf
         while node is not root:
@@ -332,20 +382,25 @@ class PrefixTree:
             if worker in ws:
                 wlru.move_to_end(node)
             else:
-                ws[worker] = None
                 wlru[node] = None
                 added += len(node.hashes)
+            ws[worker] = stamp  # leaf -> root: an ancestor's stamp exceeds its descendants'
+            stamp += 1
             if count:
                 c = node.counts
                 c[worker] = c.get(worker, 0) + 1
             node.last_access = now
+            if dirty is not None:
+                dirty[node] = None
             node = node.parent  # type: ignore[assignment]
+        self._stamp = stamp
         if added:
             self.worker_blocks[worker] += added
         return added
 
     def release(self, leaf: Node, worker: str) -> None:
         """Undo one ``touch(count=True)`` of ``worker`` on the path to ``leaf`` (window expiry)."""
+        dirty = self._dirty
         node: Node | None = leaf
         while node is not None:
             c = node.counts
@@ -355,6 +410,8 @@ class PrefixTree:
                     c[worker] = v - 1
                 else:
                     del c[worker]
+                if dirty is not None and node.alive:
+                    dirty[node] = None
             node = node.parent
         if not leaf.counts and not leaf.workers and not leaf.children:
             self._prune_q.append(leaf)
@@ -438,6 +495,7 @@ class PrefixTree:
             del n.workers[worker]
             wlru.pop(n, None)
             freed += len(n.hashes)
+            self._changed(n)
             self._prune_up(n)
             stack.extend(n.children.values())
         self.worker_blocks[worker] -= freed
@@ -452,6 +510,7 @@ class PrefixTree:
         wlru.clear()
         for n in nodes:
             n.workers.pop(worker, None)
+            self._changed(n)
             self._prune_up(n)
         self.worker_blocks[worker] = 0
         if forget:
@@ -473,12 +532,17 @@ class PrefixTree:
             del wlru[node]
             node.workers.pop(worker, None)
             freed += len(node.hashes)
+            self._changed(node)
             self._prune_up(node)
         if freed:
             self.worker_blocks[worker] -= freed
         return freed
 
     # ------------------------------------------------------------------ pruning and budget
+
+    def _changed(self, node: Node) -> None:
+        if self._dirty is not None:
+            self._dirty[node] = None
 
     def _prune_up(self, node: Node) -> None:
         """Queue ``node`` for pruning if it looks unused (checked again when flushed)."""
@@ -523,6 +587,9 @@ class PrefixTree:
             self.worker_blocks[w] -= len(node.hashes)
         node.workers = {}
         node.alive = False
+        if self._dirty is not None:
+            self._dirty.pop(node, None)
+            self._gone.append(node.nid)
         self.n_nodes -= 1
         self.n_blocks -= len(node.hashes)
 
@@ -599,10 +666,12 @@ class PrefixTree:
                 tuple(rec.hashes),
                 parent.start + len(parent.hashes),
                 parent,
-                workers=dict.fromkeys(rec.workers),
+                workers=dict.fromkeys(rec.workers, 0),
                 counts=dict(rec.counts),
                 last_access=rec.last_access + ref_time,
+                nid=self._next_nid,
             )
+            self._next_nid += 1
             parent.children[n.hashes[0]] = n
             idx.update(dict.fromkeys(n.hashes, n))
             nodes.append(n)
@@ -613,8 +682,103 @@ class PrefixTree:
             lru = self._wlru[w]
             for i in order:
                 lru[nodes[i]] = None
+                nodes[i].workers[w] = self._stamp
+                self._stamp += 1
             self.worker_blocks[w] = sum(len(nodes[i].hashes) for i in order)
         return nodes
+
+    # ------------------------------------------------------------------ incremental persistence
+
+    def track_changes(self) -> None:
+        """Start (or restart) recording changed and pruned nodes for ``take_changes``."""
+        self._dirty = {}
+        self._gone = []
+
+    def take_changes(self) -> tuple[list[Node], list[int]]:
+        """Nodes changed and ids of nodes pruned since the last call (O(1): the containers
+        are handed over, not copied). Changed nodes may be pruned by the time they are
+        encoded: ``node_record`` of a dead node is None."""
+        if self._dirty is None:
+            raise RuntimeError("change tracking is off (call track_changes first)")
+        if self._index_q or self._prune_q:
+            self.flush()
+        dirty, self._dirty = self._dirty, {}
+        gone, self._gone = self._gone, []
+        return list(dirty), gone
+
+    @property
+    def next_nid(self) -> int:
+        """The id the next node will get (persisted so ids are never reused)."""
+        return self._next_nid
+
+    def node_record(self, node: Node, offset: float) -> bytes | None:
+        """msgpack of one live node (times + ``offset``), None if it was pruned."""
+        if not node.alive:
+            return None
+        parent = node.parent
+        return _ENCODER.encode(
+            NodeRecord(
+                node.nid,
+                -1 if parent is self.root else parent.nid,  # type: ignore[union-attr]
+                node.start,
+                node.hashes,
+                node.workers,
+                node.counts,
+                node.last_access + offset,
+            )
+        )
+
+    def load_records(
+        self, blobs: Iterable[bytes], offset: float, next_nid: int = 0
+    ) -> dict[int, Node]:
+        """Replace the tree by ``node_record`` blobs (times + ``offset``); returns nid -> node.
+
+        The records may come from different moments (they are written a slice at a time):
+        a node is kept only if its parent was kept, its run starts where the parent's ends
+        and no kept sibling starts with the same hash; the rest are dropped (with their
+        subtrees). Each worker's LRU order is rebuilt from the stamps.
+        """
+        recs = sorted((_RECORD_DECODER.decode(b) for b in blobs), key=lambda r: r.start)
+        self._init_state()
+        by_id: dict[int, Node] = {-1: self.root}
+        idx = self._index
+        top_nid = next_nid
+        top_stamp = 0
+        for r in recs:
+            top_nid = max(top_nid, r.nid + 1)
+            parent = by_id.get(r.parent)
+            if (
+                parent is None
+                or not r.hashes
+                or parent.start + len(parent.hashes) != r.start
+                or r.hashes[0] in parent.children
+            ):
+                continue
+            n = Node(r.hashes, r.start, parent, workers=r.workers, counts=r.counts,
+                     last_access=r.last_access + offset, nid=r.nid)
+            parent.children[r.hashes[0]] = n
+            idx.update(dict.fromkeys(n.hashes, n))
+            by_id[r.nid] = n
+            self.n_nodes += 1
+            self.n_blocks += len(n.hashes)
+            for w, st in r.workers.items():
+                top_stamp = max(top_stamp, st)
+        self._next_nid = top_nid
+        self._stamp = top_stamp + 1
+        # LRU per worker: by stamp; equal stamps (a split copies them) put the deeper first.
+        per_worker: dict[str, list[tuple[int, int, Node]]] = {}
+        for n in by_id.values():
+            for w, st in n.workers.items():
+                per_worker.setdefault(w, []).append((st, -n.start, n))
+        for w, items in per_worker.items():
+            items.sort(key=lambda x: (x[0], x[1]))
+            self.add_worker(w)
+            lru = self._wlru[w]
+            for _, _, n in items:
+                lru[n] = None
+            self.worker_blocks[w] = sum(len(n.hashes) for _, _, n in items)
+        del by_id[-1]
+        return by_id
 
     def snapshot(self) -> bytes:
         """msgpack bytes of the whole tree (times kept as stored)."""

@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: ``bench-scheduler --workload W --workers N --requests K --json OUT``."""
     ap = argparse.ArgumentParser(
         prog="prefixmesh bench-scheduler",
-        description="Time the global policy's decisions in process, on one core.",
+        description="Time the global policy's decisions in process, on one core "
+        "(prefixmesh bench-scheduler --live --help: the same through the scheduler service "
+        "over NATS).",
     )
     ap.add_argument("--workload", choices=WORKLOADS, default="toolbench")
     ap.add_argument("--workers", type=int, default=16)

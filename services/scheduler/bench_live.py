@@ -1,6 +1,8 @@
 """``prefixmesh bench-scheduler --live``: routing decisions through the scheduler service.
 
-Starts its own nats-server and redis-server (free ports) and a scheduler process, registers
+Starts its own nats-server and redis-server (free ports) unless ``--nats-url`` /
+``--redis-url`` name running ones, and a scheduler process unless ``--external-scheduler``
+says one already serves ``--prefix`` on that NATS. It registers
 ``--workers`` workers by publishing their load reports, then sends the same prompt stream as
 the in-process benchmark as RouteRequests over NATS with ``--in-flight`` outstanding, and
 reports decisions per second and client-side latency percentiles (request/reply round
@@ -39,7 +41,7 @@ async def _report_loop(bus: Bus, workers: list[str]) -> None:
 
 
 async def _run(nats_url: str, args: argparse.Namespace) -> dict:
-    bus = await Bus.connect(nats_url, Subjects(PREFIX), "bench-live")
+    bus = await Bus.connect(nats_url, Subjects(args.prefix), "bench-live")
     workers = [f"w{i}" for i in range(args.workers)]
     reporter = asyncio.create_task(_report_loop(bus, workers))
     try:
@@ -98,25 +100,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
     ap.add_argument("--in-flight", type=int, default=100, help="outstanding requests")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--nats-url", default="", help="use this NATS server (default: start one)")
+    ap.add_argument("--redis-url", default="",
+                    help="Redis for the spawned scheduler (default: start one)")
+    ap.add_argument("--prefix", default=PREFIX, help="subject / Redis key prefix")
+    ap.add_argument("--external-scheduler", action="store_true",
+                    help="a scheduler already serves --prefix on --nats-url: do not spawn one")
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
+    if args.external_scheduler and not args.nats_url:
+        ap.error("--external-scheduler needs --nats-url")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
-    nats_proc, nats_url = start_nats(log_path=tmp / "nats.log")
-    redis_proc, redis_url = start_redis(data_dir=tmp, log_path=tmp / "redis.log")
-    sched = ManagedProcess("scheduler", [sys.executable, "-m", "services.scheduler"],
-                           env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
-                                         PM_SUBJECT_PREFIX=PREFIX, PM_REDIS_PREFIX=PREFIX,
-                                         PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",
-                                         # The fake workers' reports share this client's
-                                         # busy event loop: be lenient about their timing.
-                                         PM_MISSED_REPORTS="40"),
-                           log_path=tmp / "scheduler.log").start()
+    procs: list[ManagedProcess] = []
     try:
-        result = asyncio.run(_run(nats_url, args))
+        nats_url = args.nats_url
+        if not nats_url:
+            proc, nats_url = start_nats(log_path=tmp / "nats.log")
+            procs.append(proc)
+        if not args.external_scheduler:
+            redis_url = args.redis_url
+            if not redis_url:
+                proc, redis_url = start_redis(data_dir=tmp, log_path=tmp / "redis.log")
+                procs.append(proc)
+            procs.append(ManagedProcess(
+                "scheduler", [sys.executable, "-m", "services.scheduler"],
+                env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
+                              PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
+                              PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",
+                              # The fake workers' reports share this client's busy event
+                              # loop: be lenient about their timing.
+                              PM_MISSED_REPORTS="40"),
+                log_path=tmp / "scheduler.log").start())
+        import uvloop  # the client's own loop must not be the bottleneck
+
+        result = uvloop.run(_run(nats_url, args))
     finally:
-        sched.stop()
-        redis_proc.stop()
-        nats_proc.stop()
+        for proc in reversed(procs):  # scheduler first, then the servers
+            proc.stop()
     text = json.dumps(result)
     print(text)
     if args.json:

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.lease import Lease, LeaseState
+from services.scheduler.store import StateStore
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
 from shared.bus import Bus
@@ -43,9 +44,14 @@ log = logging.getLogger(__name__)
 DECISIONS = Counter("prefixmesh_scheduler_decisions_total", "routing decisions by kind", ["kind"])
 DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
                              "time to choose a worker", buckets=LATENCY_BUCKETS_S)
-KV_GAPS = Counter("prefixmesh_scheduler_kv_gaps_total", "KV event sequence gaps (resyncs)")
+KV_GAPS = Counter("prefixmesh_scheduler_kv_gaps_total", "KV event sequence gaps seen")
+RESYNCS = Counter("prefixmesh_scheduler_resyncs_total", "resync requests sent to workers")
 WORKERS = Gauge("prefixmesh_scheduler_workers", "workers eligible for routing")
 ACTIVE = Gauge("prefixmesh_scheduler_active", "1 while this instance holds the lease")
+PERSIST_FAILURES = Counter("prefixmesh_scheduler_persist_failures_total",
+                           "write-behind flushes to Redis that failed")
+PERSISTED_BYTES = Counter("prefixmesh_scheduler_persisted_bytes_total",
+                          "bytes of policy state written to Redis")
 
 
 @dataclass(frozen=True)
@@ -60,36 +66,46 @@ class SchedulerConfig(CommonConfig):
     ha: bool = option(True, "active/standby: route only while holding the Redis lease")
     lease_ttl_s: float = option(2.0, "lease lifetime; a standby takes over this long after "
                                 "the active instance dies (seconds)")
+    resync_min_interval_s: float = option(1.0, "least time between two resync requests to "
+                                          "one worker (seconds)")
 
 
 class SchedulerService:
     name = "scheduler"
 
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig, policy_cfg: PolicyConfig | None = None) -> None:
         self.cfg = cfg
+        # The policy's knobs (E2's H, IMBALR, Th_bal, replication, tree budget; the
+        # baselines' parameters): ``PolicyConfig``, from PM_* env / CLI in ``__main__``.
+        self.policy_cfg = policy_cfg if policy_cfg is not None else PolicyConfig()
         self.cost = CostModel.load(cfg.profile)
         self.policy: GlobalPolicy = self._fresh_policy()
         self.instance_id = uuid.uuid4().hex[:12]
         self.active = False
         self.lease: Lease | None = None
         self.last_seen: dict[str, float] = {}
+        # Per worker: last KV batch sequence number, a sequence number a load report named
+        # that we had not seen yet, and when we last asked it for a resync (monotonic s).
         self.kv_seq: dict[str, int] = {}
+        self._kv_behind: dict[str, int] = {}
+        self._resync_at: dict[str, float] = {}
         self.bus: Bus | None = None
         self.redis: aioredis.Redis | None = None
+        self.store: StateStore | None = None
         self._subs: list = []
         self._load_sub = None
-        self._dirty = False
 
     def _fresh_policy(self) -> GlobalPolicy:
-        return make_policy(self.cfg.policy, PolicyConfig(), self.cost)
+        return make_policy(self.cfg.policy, self.policy_cfg, self.cost)
 
     @property
     def lease_key(self) -> str:
         return f"{self.cfg.redis_prefix}:sched:lease"
 
     @property
-    def snapshot_key(self) -> str:
-        return f"{self.cfg.redis_prefix}:sched:{self.cfg.policy}:snapshot"
+    def state_key(self) -> str:
+        """Redis key prefix of the persisted policy state (``store.StateStore``)."""
+        return f"{self.cfg.redis_prefix}:sched:{self.cfg.policy}"
 
     # ------------------------------------------------------------------ handlers
 
@@ -105,7 +121,6 @@ class SchedulerService:
             DECISIONS.labels("none").inc()
             return RouteReply(request_id=req.request_id, error=ErrorInfo(
                 str(exc) or "no worker available", code="unavailable", retriable=True))
-        self._dirty = True
         DECISION_LATENCY.observe(time.perf_counter() - t0)
         DECISIONS.labels(d.kind).inc()
         return RouteReply(request_id=req.request_id, worker_id=d.worker_id, decision=d.kind,
@@ -119,24 +134,54 @@ class SchedulerService:
                 self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, now)
             self.last_seen[ev.worker_id] = now
             self.policy.on_load(ev, now)
+            why = self._check_kv_tail(ev, now)
+            if why:
+                KV_GAPS.inc()
+                await self._resync(ev.worker_id, why, now)
         elif isinstance(ev, KvEventBatch):
             await self._on_kv(ev, now)
         elif isinstance(ev, RequestDoneEvent):
             self.policy.on_done(ev, now)
-        self._dirty = True
 
     async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
-        last = self.kv_seq.get(batch.worker_id)
-        self.kv_seq[batch.worker_id] = batch.seq
-        if last is not None and batch.seq > last + 1:
+        w = batch.worker_id
+        last = self.kv_seq.get(w)
+        self.kv_seq[w] = batch.seq
+        if last is None:
+            if batch.seq > 1:  # we missed its earlier events (we just started or took over)
+                await self._resync(w, "first contact", now)
+        elif batch.seq > last + 1:
             # Lost events: our view of that worker's cache is unreliable until it resends.
             KV_GAPS.inc()
-            log.warning("kv gap from %s: %d -> %d; asking for resync",
-                        batch.worker_id, last, batch.seq)
-            await self.bus.publish(self.bus.subjects.worker_resync(batch.worker_id),
-                                   ResyncRequest(worker_id=batch.worker_id, reason="gap"))
-        if batch.worker_id in self.policy.workers:
-            self.policy.on_kv_events(batch.worker_id, batch.events, now)
+            await self._resync(w, f"gap {last} -> {batch.seq}", now)
+        elif batch.seq <= last:  # a new sequence: the worker restarted, its cache is new
+            await self._resync(w, f"restart {last} -> {batch.seq}", now)
+        if w in self.policy.workers:
+            self.policy.on_kv_events(w, batch.events, now)
+
+    def _check_kv_tail(self, report: LoadReportEvent, now: float) -> str:
+        """A load report names the worker's last KV sequence number: if we are still behind
+        it at the next report, the tail of its events was lost (reason), else ""."""
+        w = report.worker_id
+        have = self.kv_seq.get(w, 0)
+        behind = self._kv_behind.pop(w, 0)
+        if report.kv_seq <= have:
+            return ""
+        if behind and have < behind:
+            return f"tail {have} < {behind}"
+        # Maybe the batch is still in flight on the KV subject: look again next report.
+        self._kv_behind[w] = report.kv_seq
+        return ""
+
+    async def _resync(self, worker: str, why: str, now: float) -> None:
+        """Ask ``worker`` to resend its whole cache (AllBlocksCleared + BlockStored...)."""
+        if now - self._resync_at.get(worker, float("-inf")) < self.cfg.resync_min_interval_s:
+            return
+        self._resync_at[worker] = now
+        RESYNCS.inc()
+        log.warning("kv events of %s: %s; asking for a resync", worker, why)
+        await self.bus.publish(self.bus.subjects.worker_resync(worker),
+                               ResyncRequest(worker_id=worker, reason=why))
 
     # ------------------------------------------------------------------ background
 
@@ -159,38 +204,48 @@ class SchedulerService:
             self.policy.tick(now)
 
     async def _persist_loop(self) -> None:
-        """Write-behind: snapshot the policy state to Redis when it changed."""
+        """Write-behind: what changed goes to Redis, a slice at a time (``store``)."""
+        failing = False
         while True:
             await asyncio.sleep(self.cfg.persist_interval_s)
-            if not self._dirty or not self.active:
+            if not self.active:
                 continue
-            self._dirty = False
             try:
-                await self.redis.set(self.snapshot_key, self.policy.snapshot())
+                stats = await self.store.flush(self.policy)
             except Exception as exc:  # Redis down: keep routing in memory, retry next period
-                self._dirty = True
-                log.warning("persist to redis failed: %s", exc)
+                PERSIST_FAILURES.inc()
+                if not failing:
+                    log.warning("persist to redis failed (%s); routing goes on in memory", exc)
+                failing = True
+                continue
+            if failing or stats.full:
+                log.info("state written to redis in full (%d nodes, %d log segments, %d bytes)",
+                         stats.nodes, stats.segments, stats.bytes)
+            failing = False
+            PERSISTED_BYTES.inc(stats.bytes)
 
     async def _restore(self) -> None:
         try:
-            blob = await self.redis.get(self.snapshot_key)
+            found = await self.store.load(self.policy)
         except Exception as exc:
             log.warning("could not load state from redis (%s); starting empty", exc)
+            self.policy = self._fresh_policy()
             return
-        if blob:
-            self.policy.restore(blob)
+        if found:
             # Restored workers must report again, or they leave routing like silent ones.
             now = time.monotonic()
             self.last_seen = {w: now for w in self.policy.workers}
-            log.info("restored scheduler state from redis (%d bytes, %d workers)", len(blob),
-                     len(self.last_seen))
+            log.info("restored scheduler state from redis (%d workers, %d tree nodes)",
+                     len(self.last_seen), len(getattr(self.policy, "tree", ())))
 
     async def _activate(self) -> None:
         """Become the routing instance: load state, then subscribe."""
         bus = self.bus
         self.policy = self._fresh_policy()
-        self.last_seen, self.kv_seq = {}, {}
+        self.last_seen, self.kv_seq, self._kv_behind, self._resync_at = {}, {}, {}, {}
+        self.store = StateStore(self.redis, self.state_key)
         await self._restore()
+        self.policy.track_changes()
         for subject in (bus.subjects.load_all, bus.subjects.kv_all, bus.subjects.done):
             self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
         self._load_sub = self._subs[0]
@@ -226,6 +281,7 @@ class SchedulerService:
                                        socket_connect_timeout=1.0)
         stack.push_async_callback(self.redis.aclose)
         self.lease = Lease(self.redis, self.lease_key, self.instance_id, self.cfg.lease_ttl_s)
+        self.store = StateStore(self.redis, self.state_key)
         self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
                                            "scheduler")
         stack.push_async_callback(bus.close)
@@ -257,7 +313,7 @@ class SchedulerService:
         if not self.active:
             return
         try:
-            await self.redis.set(self.snapshot_key, self.policy.snapshot())
+            await self.store.flush(self.policy)
         except Exception as exc:
             log.warning("final persist failed: %s", exc)
         if self.cfg.ha:

@@ -10,7 +10,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from services.scheduler.policies import make_policy
+from services.scheduler.policies.base import PolicyConfig
 from services.scheduler.service import SchedulerConfig, SchedulerService
+from services.scheduler.store import StateStore
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared.blocks import block_hashes
@@ -124,12 +127,21 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
             client = aioredis.from_url(redis_url)
             try:
                 async def persisted() -> bool:
-                    return bool(await client.get(sched.snapshot_key))
+                    return bool(await client.get(sched.store.meta_key))
 
                 deadline = time.monotonic() + 10
                 while not await persisted():
                     assert time.monotonic() < deadline, "state not persisted after Redis returned"
                     await asyncio.sleep(0.1)
+                # Redis came back empty: the whole state was written again, including what
+                # was routed while it was down.
+                await eventually(lambda: sched.store.last.full, timeout=5)
+                restored = make_policy("e2", PolicyConfig(), sched.cost)
+                assert await StateStore(client, sched.state_key).load(restored)
+                assert "a" in restored.workers
+                for i in (0, 19):
+                    node, m = restored.tree.match(block_hashes([i] * 64))
+                    assert m == 4 and "a" in node.workers
                 # The lease is re-taken too, so a standby would not also become active.
                 deadline = time.monotonic() + 10
                 while (await client.get(sched.lease_key)) != sched.instance_id.encode():

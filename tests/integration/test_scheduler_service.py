@@ -114,7 +114,7 @@ async def test_state_is_persisted_to_redis_and_restored(bus, nats_server, redis_
             await eventually(lambda: set(sched.policy.workers) == {"a", "b"})
             owner = (await _route(bus, "r0", doc)).worker_id
         r = aioredis.from_url(redis_server)
-        assert await r.get(sched.snapshot_key)
+        assert await r.get(sched.store.meta_key)
         await r.aclose()
         # A new scheduler process restores the tree: the prefix is exploited at once.
         again = SchedulerService(cfg)

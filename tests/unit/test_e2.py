@@ -308,3 +308,17 @@ def test_snapshot_restore_round_trip_on_another_clock():
     # ... and the window still expires on the new clock.
     q.tick(200.0)
     assert all(q.worker_state(w).L == 0.0 for w in q.workers)
+
+
+def test_memory_stays_bounded_under_an_endless_stream_of_unique_prompts():
+    cfg = PolicyConfig(tree_max_nodes=200, tree_max_tokens=200 * 8 * BLOCK_SIZE, window_s=5.0)
+    p = make(4, cfg)
+    hard = 200 + 200 // 8
+    for i in range(3_000):
+        p.route(req(f"u{i}", toks(i, 8)), 0.01 * i)
+        if i % 20 == 0:
+            p.tick(0.01 * i)
+        assert len(p.tree) <= hard and p.tree.n_blocks <= hard * 8
+    # The window holds at most H seconds of requests, so nothing else grows either.
+    assert len(p.window.entries) <= 5.0 / 0.01 + 1 and len(p.window.by_rid) <= 501
+    assert p.tree.budget_evictions > 0

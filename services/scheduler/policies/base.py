@@ -7,13 +7,14 @@ relative to the last ``now`` seen, so a restored policy may run on another clock
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
 from shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
+from shared.prefix_tree import Node
 
 
 class NoWorkerError(RuntimeError):
@@ -126,6 +127,17 @@ class PolicyConfig:
     seed: int = 0
 
 
+class Changes(NamedTuple):
+    """State changed since the last ``take_changes`` (or all of it, ``all_state``)."""
+
+    # Tree nodes to (re)write: each encoded by ``encode_node`` (None if pruned meanwhile).
+    nodes: Iterable[Node]
+    # Ids of tree nodes pruned (to delete).
+    gone: list[int]
+    # Window-log items, encoded in slices by ``encode_log``.
+    log: list
+
+
 @runtime_checkable
 class GlobalPolicy(Protocol):
     """What the scheduler service and the cluster simulator drive."""
@@ -169,4 +181,42 @@ class GlobalPolicy(Protocol):
 
     def restore(self, data: bytes) -> None:
         """Replace the state by a ``snapshot()``."""
+        ...
+
+    # Incremental persistence (the scheduler service's write-behind to Redis): a small meta
+    # record written whole, tree nodes by id, and an append-only log that expires after
+    # ``log_window_s``. Times are written with ``offset`` added (the writer's epoch).
+
+    @property
+    def log_window_s(self) -> float:
+        """Seconds a log segment stays relevant (0: the policy writes no log)."""
+        ...
+
+    def track_changes(self) -> None:
+        """Start recording what changes, for ``take_changes``."""
+        ...
+
+    def take_changes(self) -> Changes:
+        """What changed since the last call; O(1), safe on the event loop."""
+        ...
+
+    def all_state(self) -> Changes:
+        """Everything, in the shape of changes (for a full rewrite)."""
+        ...
+
+    def encode_node(self, node: Node, offset: float) -> bytes | None:
+        """One tree node's record, or None if it was pruned since."""
+        ...
+
+    def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
+        """A log segment of ``items`` and its newest time (epoch)."""
+        ...
+
+    def encode_meta(self, offset: float) -> bytes:
+        """The small rest of the state (workers, counters...)."""
+        ...
+
+    def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
+                       offset: float, now: float) -> None:
+        """Replace the state by persisted pieces (times + ``offset`` = the caller's clock)."""
         ...

@@ -27,6 +27,7 @@ from operator import attrgetter
 
 from services.scheduler.policies import e2_state
 from services.scheduler.policies.base import (
+    Changes,
     Decision,
     NoWorkerError,
     PolicyConfig,
@@ -377,3 +378,46 @@ class E2Policy:
         """Replace the state by a ``snapshot()``; times are rebased on the next call."""
         e2_state.load(self, data)
         self._rebase = True
+
+    # ------------------------------------------------------------------ incremental persistence
+
+    @property
+    def log_window_s(self) -> float:
+        """How long a window-log segment stays relevant (seconds): H."""
+        return self._window_s
+
+    def track_changes(self) -> None:
+        """Start recording changes for ``take_changes`` (tree nodes, window log)."""
+        self.tree.track_changes()
+        self.window.journal = []
+
+    def take_changes(self) -> Changes:
+        """Changed nodes, pruned node ids and window-log items since the last call (O(1))."""
+        nodes, gone = self.tree.take_changes()
+        return Changes(nodes, gone, self.window.take_journal())
+
+    def all_state(self) -> Changes:
+        """Everything, as changes (a full rewrite); nodes are yielded lazily."""
+        log: list = list(self.window.entries)
+        log.extend(self.window.outputs)
+        return Changes(self.tree.nodes(), [], log)
+
+    def encode_node(self, node: Node, offset: float) -> bytes | None:
+        """One tree node's record (None once pruned)."""
+        return self.tree.node_record(node, offset)
+
+    def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
+        """One window-log segment and its newest time (epoch)."""
+        return e2_state.encode_log(self, items, offset)
+
+    def encode_meta(self, offset: float) -> bytes:
+        """Workers and replica sets."""
+        return e2_state.encode_meta(self, offset)
+
+    def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
+                       offset: float, now: float) -> None:
+        """Replace the state by persisted pieces; ``offset`` maps their times onto ``now``'s
+        clock."""
+        e2_state.load_incremental(self, meta, nodes, segments, offset, now)
+        self._rebase = False
+        self._now = now

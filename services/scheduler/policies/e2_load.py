@@ -136,6 +136,15 @@ class LoadWindow:
         # The worker with the least L, kept as L moves (None: unknown, recompute). Only an
         # increase of that worker's own L makes it unknown; any decrease is compared.
         self.light: WorkerState | None = None
+        # Incremental persistence (None: off): entries added or corrected and completions
+        # (time, output tokens) recorded since the last ``take_journal``.
+        self.journal: list[WindowEntry | tuple[float, int]] | None = None
+
+    def take_journal(self) -> list[WindowEntry | tuple[float, int]]:
+        """What changed since the last call (O(1)); starts tracking if it was off."""
+        j = self.journal or []
+        self.journal = []
+        return j
 
     def add(
         self,
@@ -154,6 +163,8 @@ class LoadWindow:
         self.entries.append(e)
         if rid:
             self.by_rid[rid] = e
+        if self.journal is not None:
+            self.journal.append(e)
         ws.L += cost
         ws.n += 1
         if ws is self.light:
@@ -188,12 +199,16 @@ class LoadWindow:
         if done.finish_reason in _FINISHED and done.completion_tokens > 0:
             self.outputs.append((now, done.completion_tokens))
             self.out_sum += done.completion_tokens
+            if self.journal is not None:
+                self.journal.append((now, done.completion_tokens))
         e = self.by_rid.pop(done.request_id, None)
         if e is not None and e.ws.id == done.worker_id and e.ws.n > 0:
             delta = e.dt_tok * (done.completion_tokens - e.out_est)
             e.cost += delta
             e.out_est = float(done.completion_tokens)
             e.ws.L = max(e.ws.L + delta, 0.0)
+            if self.journal is not None:
+                self.journal.append(e)  # re-recorded: the later record of a rid wins
             light = self.light
             if light is not None and e.ws.alive and (
                 e.ws is light if delta > 0 else e.ws.L < light.L

@@ -147,3 +147,142 @@ def rebase(policy: E2Policy, now: float) -> None:
     policy.window.shift(now)
     for r in policy.replicator.entries.values():
         r.changed += now
+
+
+# --------------------------------------------------------------------------- incremental
+# The scheduler service persists E2 a piece at a time (``services.scheduler.store``): tree
+# nodes by id (``PrefixTree.node_record``), the window as an append-only log of segments
+# (new entries, corrected entries, completions), and a small meta record (workers, replica
+# sets). Times are in the writer's epoch (``offset`` added: wall-clock seconds), so a
+# standby on another host reads them back onto its own clock.
+
+
+class E2Meta(msgspec.Struct, array_like=True):
+    version: int
+    workers: list[WorkerRec]
+    # ReplicaRec.node is a node id here; ``changed`` in the epoch.
+    replicas: list[ReplicaRec]
+    next_nid: int
+
+
+class SegmentRec(msgspec.Struct, array_like=True):
+    # EntryRec.node is a node id here (-1 = root); ``t`` in the epoch.
+    entries: list[EntryRec]
+    outputs: list[tuple[float, int]]
+
+
+_META_DECODER = msgspec.msgpack.Decoder(E2Meta)
+_SEGMENT_DECODER = msgspec.msgpack.Decoder(SegmentRec)
+
+
+def _nid(policy: E2Policy, node: Node) -> int:
+    while not node.alive:  # pruned since: its alive ancestor carries the counts
+        node = node.parent  # type: ignore[assignment]
+    return -1 if node is policy.tree.root else node.nid
+
+
+def encode_meta(policy: E2Policy, offset: float) -> bytes:
+    """Workers and replica sets (small: written whole on every flush)."""
+    return _ENCODER.encode(E2Meta(
+        version=VERSION,
+        workers=[WorkerRec(ws.id, ws.capacity_blocks) for ws in policy._ws.values()],
+        replicas=[
+            ReplicaRec(n.nid, list(r.pending), list(r.added), r.changed + offset, r.peak)
+            for n, r in policy.replicator.entries.items()
+            if n.alive
+        ],
+        next_nid=policy.tree.next_nid,
+    ))
+
+
+def encode_log(policy: E2Policy, items: list, offset: float) -> tuple[bytes, float]:
+    """One log segment from window-journal items; returns it and its newest time (epoch)."""
+    entries = []
+    outputs = []
+    newest = float("-inf")
+    for it in items:
+        if isinstance(it, WindowEntry):
+            t = it.t + offset
+            entries.append(EntryRec(t, it.ws.id, it.cost, _nid(policy, it.leaf), it.rid,
+                                    it.dt_tok, it.out_est))
+        else:
+            t = it[0] + offset
+            outputs.append((t, it[1]))
+        if t > newest:
+            newest = t
+    return _ENCODER.encode(SegmentRec(entries, outputs)), newest
+
+
+def load_incremental(
+    policy: E2Policy,
+    meta: bytes,
+    nodes: list[bytes],
+    segments: list[bytes],
+    offset: float,
+    now: float,
+) -> None:
+    """Replace the policy's state by persisted pieces (times + ``offset`` = own clock).
+
+    Window entries are deduplicated by request id (a later record corrects the cost),
+    entries older than the window dropped, the rest ordered by time.
+    """
+    m = _META_DECODER.decode(meta)
+    if m.version != VERSION:
+        raise ValueError(f"unsupported E2 state version {m.version}")
+    tree = policy.tree
+    by_id = tree.load_records(nodes, offset, m.next_nid)
+    policy._ws = {}
+    policy._decode_heavy = set()
+    for rec in m.workers:
+        policy._ws[rec.id] = WorkerState(rec.id, rec.capacity_blocks)
+        tree.add_worker(rec.id)
+    cut = now - policy.cfg.window_s
+    window = policy.window
+    window.light = None
+    window.entries.clear()
+    window.by_rid.clear()
+    entries: list[WindowEntry] = []
+    keyed: dict[tuple[str, str, float], WindowEntry] = {}
+    outputs: list[tuple[float, int]] = []
+    gone: dict[str, WorkerState] = {}
+    for blob in segments:
+        seg = _SEGMENT_DECODER.decode(blob)
+        for er in seg.entries:
+            t = er.t + offset
+            if t < cut:
+                continue
+            key = (er.rid, er.worker, er.t)
+            e = keyed.get(key) if er.rid else None
+            if e is not None:  # a correction of an entry seen before
+                e.cost, e.out_est = er.cost, er.out_est
+                continue
+            ws = policy._ws.get(er.worker) or gone.get(er.worker)
+            if ws is None:
+                ws = gone[er.worker] = WorkerState(er.worker, 0)
+                ws.alive = False
+            leaf = by_id.get(er.node, tree.root)
+            e = WindowEntry(t, ws, er.cost, leaf, er.rid, er.dt_tok, er.out_est)
+            entries.append(e)
+            if er.rid:
+                keyed[key] = e
+        outputs.extend((t + offset, n) for t, n in seg.outputs if t + offset >= cut)
+    entries.sort(key=lambda e: e.t)
+    for e in entries:
+        window.entries.append(e)
+        if e.rid:
+            window.by_rid[e.rid] = e
+        e.ws.L += e.cost
+        e.ws.n += 1
+    outputs.sort()
+    window.outputs.clear()
+    window.outputs.extend(outputs)
+    window.out_sum = sum(n for _, n in outputs)
+    rep = policy.replicator
+    rep.entries = {}
+    for rr in m.replicas:
+        node = by_id.get(rr.node)
+        if node is not None:
+            r = Replica(rr.changed + offset, rr.peak)
+            r.pending = list(rr.pending)
+            r.added = list(rr.added)
+            rep.entries[node] = r

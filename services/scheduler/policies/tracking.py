@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
+from services.scheduler.policies.base import Changes, NoWorkerError, PolicyConfig, RouteInput
 from shared.costmodel import CostModel
 from shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
-from shared.prefix_tree import PrefixTree, TreeState
+from shared.prefix_tree import Node, PrefixTree, TreeState
 
 VERSION = 1
 # KV events about these media concern the GPU prefix cache routers care about (vLLM marks
@@ -104,7 +104,19 @@ class BaselineState(msgspec.Struct, array_like=True):
     tree: TreeState | None = None
 
 
+class BaselineMeta(msgspec.Struct, array_like=True):
+    """Incremental persistence: everything but the tree (times in the writer's epoch)."""
+
+    version: int
+    policy: str
+    workers: dict[str, int]
+    outstanding: list[_OutRec]
+    counter: int
+    next_nid: int
+
+
 _DECODER = msgspec.msgpack.Decoder(BaselineState)
+_META_DECODER = msgspec.msgpack.Decoder(BaselineMeta)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -229,3 +241,62 @@ class BaselinePolicy:
         self.counter = state.counter
         # Stored times are relative to the snapshot's last ``now``.
         self._rebase = True
+
+    # ------------------------------------------------------------------ incremental persistence
+
+    @property
+    def log_window_s(self) -> float:
+        """Baselines keep no window log."""
+        return 0.0
+
+    def track_changes(self) -> None:
+        """Start recording tree changes for ``take_changes``."""
+        self.tree.track_changes()
+
+    def take_changes(self) -> Changes:
+        """Changed and pruned tree nodes since the last call (O(1))."""
+        nodes, gone = self.tree.take_changes()
+        return Changes(nodes, gone, [])
+
+    def all_state(self) -> Changes:
+        """The whole tree, as changes."""
+        return Changes(self.tree.nodes(), [], [])
+
+    def encode_node(self, node: Node, offset: float) -> bytes | None:
+        """One tree node's record (None once pruned)."""
+        return self.tree.node_record(node, offset)
+
+    def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
+        """Never called: baselines have no log."""
+        raise NotImplementedError("baselines keep no window log")
+
+    def encode_meta(self, offset: float) -> bytes:
+        """Workers, outstanding requests and the counter."""
+        return _ENCODER.encode(BaselineMeta(
+            version=VERSION,
+            policy=self.name,
+            workers=dict(self._capacity),
+            outstanding=[_OutRec(rid, r.worker, r.tokens, r.blocks, r.t + offset)
+                         for rid, r in self.out.reqs.items()],
+            counter=self.counter,
+            next_nid=self.tree.next_nid,
+        ))
+
+    def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
+                       offset: float, now: float) -> None:
+        """Replace the state by persisted pieces (times + ``offset`` = the caller's clock)."""
+        m = _META_DECODER.decode(meta)
+        if m.version != VERSION or m.policy != self.name:
+            raise ValueError(f"state of {m.policy!r} v{m.version} given to {self.name!r}")
+        self._capacity = {}
+        self.out = Outstanding(self.cfg.outstanding_ttl_s)
+        self.reports = {}
+        self.tree = PrefixTree(self.cfg.tree_max_nodes, self.cfg.tree_max_tokens, self.block)
+        self.tree.load_records(nodes, offset, m.next_nid)
+        self._rebase = False
+        for w, cap in m.workers.items():
+            self.add_worker(w, cap, now)
+        for r in m.outstanding:
+            self.out.add(r.rid, r.worker, r.tokens, r.blocks, r.t + offset)
+        self.counter = m.counter
+        self._now = now

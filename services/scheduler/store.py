@@ -1,0 +1,203 @@
+"""Write-behind persistence of the global policy to Redis: incremental, sliced, pipelined.
+
+Routing never waits on this. A flush takes what changed since the last one from the
+policy in O(1) (``take_changes``), then encodes it a slice at a time, yielding to the event
+loop between slices, and writes it in pipelines:
+
+- ``<base>:nodes``: a hash, tree node id -> node record (changed nodes written, pruned
+  ones deleted);
+- ``<base>:log``: a hash, segment number -> window-log segment (entries and completions
+  added since the previous flush), with ``<base>:logidx``, a sorted set of segment numbers
+  scored by their newest time, so segments older than the window are deleted;
+- ``<base>:meta``: the small rest (workers, replica sets or outstanding requests),
+  written last, so its presence means a flush completed.
+
+The first flush after activation, after any failure, and after Redis comes back empty
+(``meta`` gone) rewrites everything (``all_state``), still a slice at a time. Records are
+written a slice at a time, so the stored state may mix moments; the loaders keep what is
+consistent (``PrefixTree.load_records``) and the next flush heals the rest.
+
+Times are stored in a wall-clock epoch (``offset`` = wall - monotonic, fixed per store), so
+a standby on another host maps them onto its own monotonic clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from services.scheduler.policies.base import GlobalPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """How finely a flush is cut (each slice runs without yielding to routing)."""
+
+    # Tree nodes encoded per slice, and blocks (hashes) per slice, whichever comes first.
+    slice_nodes: int = 128
+    slice_blocks: int = 8_192
+    # Window-log items per segment (one segment is one slice).
+    slice_log: int = 512
+    # Bytes queued in one pipeline before it is sent (redis-py packs a whole pipeline at
+    # once, about 2 us per argument, so big pipelines would stall the loop).
+    pipeline_bytes: int = 64 << 10
+
+
+@dataclass(slots=True)
+class FlushStats:
+    """What one flush wrote (for logs, metrics and tests)."""
+
+    full: bool = False
+    nodes: int = 0
+    gone: int = 0
+    segments: int = 0
+    expired: int = 0
+    bytes: int = 0
+    slices: int = 0
+
+
+class StateStore:
+    """One policy's state under ``base`` in Redis."""
+
+    def __init__(self, client: aioredis.Redis, base: str,
+                 limits: StoreLimits = StoreLimits(),
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.client = client
+        # The policy's clock and the shared epoch (tests pass virtual ones).
+        self.clock = clock
+        self.wall = wall
+        self.limits = limits
+        self.meta_key = f"{base}:meta"
+        self.nodes_key = f"{base}:nodes"
+        self.log_key = f"{base}:log"
+        self.logidx_key = f"{base}:logidx"
+        self.offset = wall() - clock()
+        self._full = True
+        self._next_seg = 0
+        self.last = FlushStats()
+
+    def need_full(self) -> None:
+        """Make the next flush rewrite everything."""
+        self._full = True
+
+    # ------------------------------------------------------------------ load
+
+    async def load(self, policy: GlobalPolicy) -> bool:
+        """Replace the policy's state by the stored one; False when nothing is stored."""
+        c = self.client
+        async with c.pipeline(transaction=True) as pipe:
+            pipe.get(self.meta_key)
+            pipe.hvals(self.nodes_key)
+            pipe.hgetall(self.log_key)
+            meta, nodes, segs = await pipe.execute()
+        if not meta:
+            return False
+        ordered = [segs[k] for k in sorted(segs, key=int)]
+        self._next_seg = (int(max(segs, key=int)) + 1) if segs else 0
+        now = self.clock()
+        policy.load_persisted(meta, nodes, ordered, now - self.wall(), now)
+        self._full = True  # the loaders may have dropped records: write a clean copy
+        return True
+
+    # ------------------------------------------------------------------ flush
+
+    async def flush(self, policy: GlobalPolicy) -> FlushStats:
+        """Write what changed (everything when a full rewrite is due). On failure the next
+        flush is a full one, so nothing taken from the policy is ever lost."""
+        try:
+            return await self._flush(policy)
+        except BaseException:
+            self._full = True
+            raise
+
+    async def _flush(self, policy: GlobalPolicy) -> FlushStats:
+        c = self.client
+        full = self._full
+        if not full and not await c.exists(self.meta_key):
+            full = True  # Redis came back empty (or someone wiped it): rewrite everything
+        stats = FlushStats(full=full)
+        if full:
+            # Fails fast while Redis is down, before any encoding work.
+            await c.unlink(self.nodes_key, self.log_key, self.logidx_key)
+            policy.track_changes()  # changes from now on go to the next flush
+            changes = policy.all_state()
+            self._full = False
+        else:
+            changes = policy.take_changes()
+        lim = self.limits
+        offset = self.offset
+        pipe = c.pipeline(transaction=False)
+        queued = 0
+
+        async def send() -> None:
+            nonlocal pipe, queued
+            if queued:
+                await pipe.execute()
+                stats.bytes += queued
+            pipe = c.pipeline(transaction=False)
+            queued = 0
+
+        # Tree nodes, a slice at a time.
+        batch: dict[int, bytes] = {}
+        blocks = 0
+        for node in changes.nodes:
+            rec = policy.encode_node(node, offset)
+            if rec is not None:
+                batch[node.nid] = rec
+                blocks += len(node.hashes)
+            if len(batch) >= lim.slice_nodes or blocks >= lim.slice_blocks:
+                pipe.hset(self.nodes_key, mapping=batch)
+                queued += sum(map(len, batch.values()))
+                stats.nodes += len(batch)
+                batch, blocks = {}, 0
+                stats.slices += 1
+                if queued >= lim.pipeline_bytes:
+                    await send()
+                await asyncio.sleep(0)  # let routing run
+        if batch:
+            pipe.hset(self.nodes_key, mapping=batch)
+            queued += sum(map(len, batch.values()))
+            stats.nodes += len(batch)
+        gone = changes.gone
+        for i in range(0, len(gone), 4096):
+            pipe.hdel(self.nodes_key, *gone[i : i + 4096])
+        stats.gone = len(gone)
+        # Window log: one segment per slice.
+        items = changes.log
+        for i in range(0, len(items), lim.slice_log):
+            blob, newest = policy.encode_log(items[i : i + lim.slice_log], offset)
+            seg = self._next_seg
+            self._next_seg += 1
+            pipe.hset(self.log_key, seg, blob)
+            pipe.zadd(self.logidx_key, {seg: newest})
+            queued += len(blob)
+            stats.segments += 1
+            stats.slices += 1
+            if queued >= lim.pipeline_bytes:
+                await send()
+            await asyncio.sleep(0)
+        await send()
+        # Expire segments older than the window, then the meta record (last: a complete
+        # flush is one whose meta is there).
+        window = policy.log_window_s
+        if window > 0:
+            cut = self.clock() + self.offset - window
+            old = await c.zrangebyscore(self.logidx_key, "-inf", f"({cut}")
+            if old:
+                pipe.hdel(self.log_key, *old)
+                pipe.zrem(self.logidx_key, *old)
+                stats.expired = len(old)
+        meta = policy.encode_meta(offset)
+        pipe.set(self.meta_key, meta)
+        queued += len(meta)
+        await send()
+        self.last = stats
+        return stats

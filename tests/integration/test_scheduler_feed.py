@@ -1,0 +1,158 @@
+"""What the scheduler service consumes from the bus: KV event sequence numbers (gaps,
+restarts, lost tails -> resync requests), AllBlocksCleared, and worker liveness from load
+reports (dropped after 3 missed reports, re-added when it reports again). The workers here
+are the test itself publishing on their subjects, so every message is under its control."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.scheduler.service import SchedulerConfig, SchedulerService
+from shared.blocks import BLOCK_SIZE, block_hashes
+from shared.bus import Bus
+from shared.messages import (
+    ROUTE_REPLY,
+    WORKER_REQUEST,
+    AllBlocksCleared,
+    BlockStored,
+    KvEventBatch,
+    LoadReportEvent,
+    ResyncRequest,
+    RouteRequest,
+    SubmitReply,
+)
+from shared.subjects import Subjects
+from tests.helpers import eventually, running
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+LOAD_INTERVAL_S = 0.1
+DOC = list(range(3_000, 3_000 + 64 * BLOCK_SIZE))
+
+
+@pytest.fixture
+async def bus(nats_server: str, prefix: str):
+    b = await Bus.connect(nats_server, Subjects(prefix), "test-workers")
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def sched(nats_server, redis_server, prefix):
+    cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
+                          redis_prefix=prefix, load_interval_s=LOAD_INTERVAL_S,
+                          resync_min_interval_s=0.0)
+    s = SchedulerService(cfg)
+    async with running(s):
+        yield s
+
+
+async def report(bus: Bus, w: str, kv_seq: int = 0) -> None:
+    await bus.publish(bus.subjects.load(w), LoadReportEvent(
+        worker_id=w, ts=time.time(), total_blocks=10_000, free_blocks=10_000, kv_seq=kv_seq))
+
+
+async def kv(bus: Bus, w: str, seq: int, events: list) -> None:
+    await bus.publish(bus.subjects.kv(w), KvEventBatch(worker_id=w, seq=seq, ts=time.time(),
+                                                       events=events))
+
+
+def stored(tokens: list[int]) -> BlockStored:
+    return BlockStored(block_hashes=block_hashes(tokens), parent_block_hash=None, token_ids=[],
+                       block_size=BLOCK_SIZE)
+
+
+async def route(bus: Bus, rid: str, tokens: list[int]):
+    return await bus.request(bus.subjects.route, RouteRequest(
+        request_id=rid, block_hashes=block_hashes(tokens), prompt_tokens=len(tokens),
+        max_tokens=4), ROUTE_REPLY, 5)
+
+
+async def resync_inbox(bus: Bus, w: str) -> list[ResyncRequest]:
+    got: list[ResyncRequest] = []
+
+    async def on(msg) -> SubmitReply:
+        if isinstance(msg, ResyncRequest):
+            got.append(msg)
+        return SubmitReply(request_id="", worker_id=w)
+
+    await bus.serve(bus.subjects.worker_resync(w), WORKER_REQUEST, on,
+                    lambda why: SubmitReply(request_id="", worker_id=w, accepted=False))
+    return got
+
+
+async def test_kv_sequence_gaps_restarts_and_lost_tails_ask_for_a_resync(bus, sched):
+    asked = await resync_inbox(bus, "a")
+    await report(bus, "a")
+    await report(bus, "b")
+    await eventually(lambda: set(sched.policy.workers) == {"a", "b"})
+    await kv(bus, "a", 1, [stored(DOC)])
+    await eventually(lambda: sched.kv_seq.get("a") == 1)
+    r = await route(bus, "r0", DOC + [7] * 16)
+    assert (r.worker_id, r.decision) == ("a", "exploit")
+    assert asked == []  # in order so far
+    # Batch 2 is lost: batch 3 reveals the gap.
+    await kv(bus, "a", 3, [])
+    await eventually(lambda: len(asked) == 1)
+    assert "gap 1 -> 3" in asked[0].reason
+    # The worker answers with its whole cache, which no longer holds DOC.
+    await kv(bus, "a", 4, [AllBlocksCleared()])
+    await eventually(lambda: sched.kv_seq.get("a") == 4)
+    r = await route(bus, "r1", DOC + [8] * 16)
+    assert r.decision != "exploit" and r.matched_tokens == 0
+    # The worker restarted: its sequence starts over.
+    await kv(bus, "a", 1, [])
+    await eventually(lambda: len(asked) == 2)
+    assert "restart" in asked[1].reason
+    # Its last batch (2) is lost and nothing follows: two load reports naming seq 2 tell.
+    await report(bus, "a", kv_seq=2)
+    await asyncio.sleep(0.2)
+    assert len(asked) == 2  # one report may just have overtaken the batch
+    await report(bus, "a", kv_seq=2)
+    await eventually(lambda: len(asked) == 3)
+    assert "tail" in asked[2].reason
+
+
+async def test_first_contact_after_a_takeover_asks_for_a_resync(bus, sched):
+    asked = await resync_inbox(bus, "c")
+    await report(bus, "c", kv_seq=41)
+    await kv(bus, "c", 42, [stored(DOC)])
+    await eventually(lambda: len(asked) == 1)
+    assert asked[0].reason == "first contact"
+
+
+async def test_silent_worker_is_dropped_and_re_added_when_it_reports_again(bus, sched):
+    stop_b = asyncio.Event()
+
+    async def reporter(w: str, until: asyncio.Event) -> None:
+        while not until.is_set():
+            await report(bus, w)
+            await asyncio.sleep(LOAD_INTERVAL_S)
+
+    never = asyncio.Event()
+    ta = asyncio.create_task(reporter("a", never))
+    tb = asyncio.create_task(reporter("b", stop_b))
+    try:
+        await eventually(lambda: set(sched.policy.workers) == {"a", "b"})
+        await kv(bus, "b", 1, [stored(DOC)])
+        await eventually(lambda: sched.kv_seq.get("b") == 1)
+        assert (await route(bus, "r0", DOC + [1] * 16)).worker_id == "b"
+        stop_b.set()
+        await tb
+        # 3 missed reports (0.3 s): b leaves routing and the cache model.
+        await eventually(lambda: set(sched.policy.workers) == {"a"}, timeout=5)
+        picks = {(await route(bus, f"s{i}", DOC + [i] * 16)).worker_id for i in range(4)}
+        assert picks == {"a"}
+        # b reports again: it is routable again.
+        tb = asyncio.create_task(reporter("b", asyncio.Event()))
+        await eventually(lambda: set(sched.policy.workers) == {"a", "b"}, timeout=5)
+        picks = {(await route(bus, f"t{i}", list(range(90_000 + 64 * i, 90_000 + 64 * i + 640)))
+                  ).worker_id for i in range(8)}
+        assert "b" in picks
+    finally:
+        never.set()
+        tb.cancel()
+        await asyncio.gather(ta, tb, return_exceptions=True)
