@@ -180,3 +180,30 @@ class WaitingQueue:
         if self.queue:
             return self.queue.popitem(last=False)[1]
         return None
+
+
+class QueuedPolicy(LocalPolicy):
+    """A policy over one ``WaitingQueue``: the bookkeeping every arrival-ordered policy
+    shares (length, iteration, push, remove, requeue). Subclasses set ``name`` and write
+    ``select`` (and ``preempt`` if they preempt)."""
+
+    def __init__(self) -> None:
+        self._q = WaitingQueue()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[EngineRequest]:
+        return iter(self._q)
+
+    def push(self, req: EngineRequest, now: float) -> None:
+        """Queue at the back (a request's wait counts from ``req.arrival``)."""
+        self._q.push(req)
+
+    def remove(self, request_id: str) -> EngineRequest | None:
+        """Take a waiting request out."""
+        return self._q.remove(request_id)
+
+    def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
+        """Put requests back ahead of everyone, in order."""
+        self._q.requeue_front(reqs)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from services.worker.engine.types import EngineRequest
-from services.worker.local.base import CacheProbe, LocalPolicy, WaitingQueue, prefill_estimate
+from services.worker.local.base import CacheProbe, QueuedPolicy, prefill_estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,32 +13,14 @@ class FcfsConfig:
     """``fcfs`` has no knobs; the type exists so every policy is built the same way."""
 
 
-class FcfsPolicy(LocalPolicy):
+class FcfsPolicy(QueuedPolicy):
     """Admit in arrival order; requeued (preempted, not admitted) requests first."""
 
     name = "fcfs"
 
     def __init__(self, config: FcfsConfig | None = None) -> None:
         self.config = config or FcfsConfig()
-        self._q = WaitingQueue()
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[EngineRequest]:
-        return iter(self._q)
-
-    def push(self, req: EngineRequest, now: float) -> None:
-        """Queue at the back."""
-        self._q.push(req)
-
-    def remove(self, request_id: str) -> EngineRequest | None:
-        """Take a waiting request out."""
-        return self._q.remove(request_id)
-
-    def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
-        """Put requests back ahead of everyone, in order."""
-        self._q.requeue_front(reqs)
+        super().__init__()
 
     def select(
         self, now: float, max_requests: int, token_budget: int, cache: CacheProbe

@@ -22,12 +22,11 @@ requests are binned (younger ones enter that window as older ones leave).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 from services.worker.engine.types import EngineRequest
-from services.worker.local.base import CacheProbe, LocalPolicy, WaitingQueue, tokens_to_prefill
+from services.worker.local.base import CacheProbe, QueuedPolicy, tokens_to_prefill
 
 DEFAULT_NUM_GROUPS = 10  # Preble's P
 # Oldest waiting requests re-binned per select: caps per-step probing at this many prefix
@@ -55,38 +54,20 @@ class PrefixFairConfig:
         return self.max_group_wait or self.num_groups * (self.num_groups + 1) // 2
 
 
-class PrefixFairPolicy(LocalPolicy):
+class PrefixFairPolicy(QueuedPolicy):
     """Preble's cached-fraction groups with rank-proportional admission."""
 
     name = "prefix_fair"
 
     def __init__(self, config: PrefixFairConfig | None = None) -> None:
         self.config = config or PrefixFairConfig()
-        self._q = WaitingQueue()
+        super().__init__()
         groups = self.config.num_groups
         self._wait_bound = self.config.group_wait_bound
         # Smooth-WRR credit per group (in rank units).
         self._credit = [0] * groups
         # Consecutive picks each non-empty group has been passed over.
         self._passed = [0] * groups
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[EngineRequest]:
-        return iter(self._q)
-
-    def push(self, req: EngineRequest, now: float) -> None:
-        """Queue at the back."""
-        self._q.push(req)
-
-    def remove(self, request_id: str) -> EngineRequest | None:
-        """Take a waiting request out."""
-        return self._q.remove(request_id)
-
-    def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
-        """Put requests back ahead of every group, in order."""
-        self._q.requeue_front(reqs)
 
     def group_of(self, req: EngineRequest, cache: CacheProbe) -> int:
         """Group index (0 = coldest) of ``req`` against the cache as it is now."""

@@ -22,12 +22,11 @@ under extreme overload only the ``scan_limit`` oldest are scored.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
 from services.worker.engine.types import EngineRequest
-from services.worker.local.base import CacheProbe, LocalPolicy, WaitingQueue, tokens_to_prefill
+from services.worker.local.base import CacheProbe, QueuedPolicy, tokens_to_prefill
 
 # PrefillOnly's lambda: tokens of prefill a request is credited per second it waits.
 DEFAULT_LAMBDA_TOKENS_PER_S = 500.0
@@ -49,32 +48,14 @@ class SrjfConfig:
             raise ValueError(f"invalid srjf_calibrated config: {self}")
 
 
-class SrjfPolicy(LocalPolicy):
+class SrjfPolicy(QueuedPolicy):
     """Lowest (uncached prefill - lambda * wait) first, one request per step."""
 
     name = "srjf_calibrated"
 
     def __init__(self, config: SrjfConfig | None = None) -> None:
         self.config = config or SrjfConfig()
-        self._q = WaitingQueue()
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[EngineRequest]:
-        return iter(self._q)
-
-    def push(self, req: EngineRequest, now: float) -> None:
-        """Queue a request (its wait counts from ``req.arrival``, the engine's stamp)."""
-        self._q.push(req)
-
-    def remove(self, request_id: str) -> EngineRequest | None:
-        """Take a waiting request out."""
-        return self._q.remove(request_id)
-
-    def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
-        """Put requests back ahead of everyone, in order."""
-        self._q.requeue_front(reqs)
+        super().__init__()
 
     def score(self, req: EngineRequest, now: float, cache: CacheProbe) -> float:
         """PrefillOnly's calibrated score of ``req`` now (tokens; lower runs first)."""
