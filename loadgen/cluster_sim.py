@@ -62,6 +62,8 @@ class SimRun:
     wall_s: float
     steps: int
     decisions: dict[str, int]
+    # Requests routed to each worker (load balance, for diagnosis).
+    worker_requests: dict[str, int] = field(default_factory=dict)
 
 
 class ClusterSim:
@@ -98,11 +100,12 @@ class ClusterSim:
         if len(requests) != len(arrivals):
             raise ValueError("one arrival time per request")
         wall0 = time.perf_counter()
-        # The edge computes block hashes before routing; do it up front, off the clock.
-        hashes = [block_hashes(r.prompt, r.tenant) for r in requests]
+        # The edge computes block hashes before routing (off the virtual clock); done at
+        # arrival, not up front, so a large run holds only in-flight requests' hashes.
         results = [RequestResult(ok=False, error="unfinished") for _ in requests]
         index: dict[str, int] = {}
         decisions: dict[str, int] = {}
+        per_worker = dict.fromkeys(self.workers, 0)
         for w in self.workers:
             self.policy.add_worker(w, self.engines[w].cache.num_blocks * self.cost.block_size,
                                    0.0)
@@ -124,20 +127,22 @@ class ClusterSim:
                 req = requests[i]
                 rid = f"r{i}"
                 index[rid] = i
+                hashes = block_hashes(req.prompt, req.tenant)
                 try:
                     d = self.policy.route(RouteInput(
-                        request_id=rid, block_hashes=hashes[i], prompt_tokens=len(req.prompt),
+                        request_id=rid, block_hashes=hashes, prompt_tokens=len(req.prompt),
                         max_tokens=req.max_tokens, tenant=req.tenant), now)
                 except NoWorkerError as exc:
                     results[i].error = str(exc)
                     pending -= 1
                     continue
                 decisions[d.kind] = decisions.get(d.kind, 0) + 1
+                per_worker[d.worker_id] += 1
                 self.engines[d.worker_id].add(EngineRequest(
                     request_id=rid, prompt_token_ids=list(req.prompt),
                     max_tokens=max(req.max_tokens, req.output_len, 1),
                     output_len=req.output_len or req.max_tokens, tenant=req.tenant,
-                    block_hashes=hashes[i], batch_id=req.batch_id,
+                    block_hashes=hashes, batch_id=req.batch_id,
                     predicted_output=float(req.output_len or req.max_tokens)
                     if self.cfg.predictions == "oracle" else 0.0), now)
                 self._kick(d.worker_id, now)
@@ -171,4 +176,5 @@ class ClusterSim:
                 self._push(now + self.cfg.tick_interval_s, _TICK, None)
         first = min(arrivals, default=0.0)
         return SimRun(results=results, duration_s=max(now - first, 1e-9),
-                      wall_s=time.perf_counter() - wall0, steps=steps, decisions=decisions)
+                      wall_s=time.perf_counter() - wall0, steps=steps, decisions=decisions,
+                      worker_requests=per_worker)

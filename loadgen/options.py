@@ -16,6 +16,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default=None, help="same as a mix in --workload")
     p.add_argument("--zipf", type=float, default=None, help="Zipf exponent of prefix popularity")
     p.add_argument("--prefixes", type=int, default=None, help="distinct shared prefixes")
+    p.add_argument("--agents", type=int, default=None,
+                   help="embodied: agent episodes in flight at once (default 16)")
     p.add_argument("--arrivals", default="poisson",
                    help=f"arrival process: {', '.join(ARRIVAL_SPECS)} (burst:SIZE)")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
@@ -30,15 +32,17 @@ class WorkloadSpec:
     prefixes: int | None = None
     arrivals: str = "poisson"
     seed: int = 0
+    agents: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
         return cls(workload=args.mix or args.workload, zipf=args.zipf, prefixes=args.prefixes,
-                   arrivals=args.arrivals, seed=args.seed)
+                   arrivals=args.arrivals, seed=args.seed,
+                   agents=getattr(args, "agents", None))
 
     def requests(self, count: int) -> list[WorkloadRequest]:
         return build_workload(self.workload, count, self.seed, zipf=self.zipf,
-                              prefixes=self.prefixes)
+                              prefixes=self.prefixes, agents=self.agents)
 
     def times(self, rate: float, count: int) -> list[float]:
         return arrival_times(self.arrivals, rate, count, self.seed)

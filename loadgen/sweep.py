@@ -10,6 +10,7 @@ from pathlib import Path
 
 from loadgen.cluster_sim import ClusterConfig, ClusterSim
 from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
+from loadgen.policy_variants import parse_variant, split_variants
 from loadgen.results import summarize
 from loadgen.workloads import WorkloadRequest
 from services.scheduler.policies import POLICY_NAMES
@@ -18,36 +19,44 @@ from shared.costmodel import DEFAULT_PROFILE, available_profiles
 
 
 def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
-             workload: str, rate: float) -> dict:
-    """One simulated run, as a result row (DESIGN.md s.11) plus simulator figures."""
+             workload: str, rate: float, label: str | None = None) -> dict:
+    """One simulated run, as a result row (DESIGN.md s.11) plus simulator figures.
+
+    ``label`` names the policy in the row (a variant with knobs); default ``cfg.policy``.
+    """
     run = ClusterSim(cfg).run(requests, arrivals)
-    row = summarize(run.results, run.duration_s, policy=cfg.policy,
+    row = summarize(run.results, run.duration_s, policy=label or cfg.policy,
                     local_policy=cfg.local_policy, workload=workload, rate=rate, gpus=cfg.gpus,
                     backend="sim")
     row.update(mode="virtual", profile=cfg.profile, virtual_s=round(run.duration_s, 3),
                wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions,
-               predictions=cfg.predictions)
+               worker_requests=run.worker_requests, predictions=cfg.predictions)
     return row
 
 
 def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Sequence[str],
           local_policies: Sequence[str], profile: str, duration_s: float,
           progress: bool = True, predictions: str = "none") -> list[dict]:
-    """Every (rate, policy, local policy) point over the same seeded requests and arrivals."""
+    """Every (rate, policy, local policy) point over the same seeded requests and arrivals.
+
+    ``policies`` are variant texts (``e2:th_bal=inf``, see ``loadgen.policy_variants``).
+    """
+    variants = [parse_variant(p) for p in policies]
     count = max(1, round(max(rates) * duration_s))
     requests = spec.requests(count)
     rows = []
     for rate in rates:
         n = max(1, round(rate * duration_s))
         arrivals = spec.times(rate, n)
-        for policy in policies:
+        for v in variants:
             for local in local_policies:
-                cfg = ClusterConfig(gpus=gpus, policy=policy, local_policy=local, profile=profile,
+                cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=local,
+                                    profile=profile, policy_config=v.config,
                                     predictions=predictions)
-                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate)
+                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label)
                 rows.append(row)
                 if progress:
-                    print(f"  {spec.workload} rate={rate:g} {policy}/{local}: "
+                    print(f"  {spec.workload} rate={rate:g} {v.label}/{local}: "
                           f"avg {row['latency_avg_s']:.3f}s p99 {row['latency_p99_s']:.3f}s "
                           f"hit {row['cache_hit_ratio']:.1%} failed {row['failed']} "
                           f"({row['wall_s']:.1f}s wall)", file=sys.stderr, flush=True)
@@ -63,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
     p.add_argument("--policies", default="round_robin,e2",
-                   help=f"global policies: {', '.join(POLICY_NAMES)}")
+                   help=f"global policies: {', '.join(POLICY_NAMES)}; a policy may take "
+                   "PolicyConfig knobs, e.g. e2:th_bal=inf,replicate_max_workers=1")
     p.add_argument("--local-policies", default="prefix_fair",
                    help=f"local policies: {', '.join(LOCAL_POLICIES)}")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
@@ -80,9 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
-    policies, locals_ = parse_names(args.policies), parse_names(args.local_policies)
-    bad = [p for p in policies if p not in POLICY_NAMES] + [
-        p for p in locals_ if p not in LOCAL_POLICIES]
+    policies, locals_ = split_variants(args.policies), parse_names(args.local_policies)
+    for p in policies:
+        try:
+            parse_variant(p)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    bad = [p for p in locals_ if p not in LOCAL_POLICIES]
     if bad:
         raise SystemExit(f"unknown policy: {', '.join(bad)}")
     rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),

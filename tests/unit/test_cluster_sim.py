@@ -7,10 +7,13 @@ import json
 import pytest
 
 from loadgen.cluster_sim import ClusterConfig, ClusterSim
-from loadgen.report import load_runs, main as report_main, markdown
+from loadgen.policy_variants import parse_variant, split_variants
+from loadgen.report import load_runs, markdown
+from loadgen.report import main as report_main
 from loadgen.results import summarize
 from loadgen.sweep import main as sim_main
 from loadgen.workloads import WorkloadRequest
+from services.scheduler.policies.base import PolicyConfig
 
 pytestmark = pytest.mark.unit
 
@@ -78,3 +81,47 @@ def test_report_rejects_files_that_are_not_results(tmp_path) -> None:
     bad.write_text("[1, 2]")
     with pytest.raises(SystemExit, match="runs"):
         report_main([str(bad)])
+
+
+def test_policy_variants_parse_knobs_into_policy_config() -> None:
+    v = parse_variant("e2:th_bal=inf,imbalance_ratio=1.1,replicate_max_workers=1")
+    assert v.policy == "e2" and v.label == "e2:th_bal=inf,imbalance_ratio=1.1,replicate_max_workers=1"
+    assert v.config.th_bal == float("inf") and v.config.imbalance_ratio == 1.1
+    assert v.config.replicate_max_workers == 1
+    assert v.config.window_s == PolicyConfig().window_s  # untouched knobs keep defaults
+    assert parse_variant("kv_cost:kv_use_events=false").config.kv_use_events is False
+    assert parse_variant("round_robin").config == PolicyConfig()
+    for bad in ("e3", "e2:nope=1", "e2:th_bal", "e2:replicate_max_workers=x"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+
+def test_policies_list_keeps_knob_commas_with_their_variant() -> None:
+    assert split_variants("round_robin,e2:th_bal=inf,imbalance_ratio=1.1,e2,cache_aware") == [
+        "round_robin", "e2:th_bal=inf,imbalance_ratio=1.1", "e2", "cache_aware"]
+
+
+def test_sim_verb_runs_policy_variants_under_their_labels(tmp_path) -> None:
+    out = tmp_path / "ablation.json"
+    assert sim_main(["--gpus", "2", "--workload", "toolbench", "--prefixes", "8", "--rates", "4",
+                     "--policies", "e2:th_bal=inf,replicate_max_workers=1,e2",
+                     "--duration", "5", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["e2:th_bal=inf,replicate_max_workers=1", "e2"]
+    # Rebalancing off: no request is ever routed as a rebalance or a replica seed.
+    assert not {"rebalance", "replicate"} & set(runs[0]["decisions"])
+    assert sum(runs[0]["worker_requests"].values()) == runs[0]["requests"]
+    with pytest.raises(SystemExit, match="no knob"):
+        sim_main(["--workload", "toolbench", "--rates", "4", "--policies", "e2:bogus=1",
+                  "--json", str(out)])
+
+
+def test_e2_with_rebalancing_off_never_rebalances_a_hot_prefix() -> None:
+    # One hot document at a rate that overloads its worker: with th_bal = inf and
+    # replication capped at one worker, E2 must keep every request on one worker.
+    reqs = _shared_prefix_requests(120, docs=1)
+    arrivals = [i * 0.01 for i in range(len(reqs))]
+    off = PolicyConfig(th_bal=float("inf"), replicate_max_workers=1)
+    run = ClusterSim(ClusterConfig(gpus=4, policy="e2", policy_config=off)).run(reqs, arrivals)
+    assert sum(1 for n in run.worker_requests.values() if n) == 1
+    assert set(run.decisions) <= {"exploit", "explore", "pd_balance"}

@@ -224,3 +224,23 @@ def test_toolbench_text_for_the_demo() -> None:
     reqs = toolbench_text(5, seed=0)
     assert all(isinstance(r.prompt, str) and r.output_len == r.max_tokens for r in reqs)
     assert reqs == toolbench_text(5, seed=0)
+
+
+def test_agents_option_reaches_embodied_from_the_cli_spec() -> None:
+    import argparse
+
+    from loadgen.options import WorkloadSpec, add_workload_args
+
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+    spec = WorkloadSpec.from_args(p.parse_args(["--workload", "embodied", "--agents", "40"]))
+    assert spec.agents == 40
+    reqs = spec.requests(200)
+    assert reqs == build_workload("embodied", 200, seed=0, agents=40)
+    # More episodes in flight: the first 40 requests come from many more episodes than 4 do.
+    few = build_workload("embodied", 200, seed=0, agents=4)
+    assert len({r.session for r in reqs[:40]}) > len({r.session for r in few[:40]})
+    # Workloads without the option reject it only when it is given.
+    assert WorkloadSpec(workload="toolbench").requests(5)
+    with pytest.raises(ValueError, match="agents"):
+        WorkloadSpec(workload="toolbench", agents=4).requests(5)
