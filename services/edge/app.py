@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
+from services.edge.completion import check_length, complete, run_choice, token_prompts
 from services.edge.config import EdgeConfig
 from services.edge.pipeline import MeshClient
 from services.edge.responses import (
@@ -20,7 +21,6 @@ from services.edge.responses import (
     ResponseMeta,
     Usage,
     chunk,
-    full_response,
     usage_chunk,
 )
 from services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
@@ -84,44 +84,6 @@ async def _read_body(request: web.Request) -> bytes:
                        code="request_too_large") from None
 
 
-async def _token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> list[list[int]]:
-    if parsed.kind == "chat":
-        return [await mesh.tokenize(rid, messages=parsed.messages)]
-    out = []
-    for p in parsed.prompts:
-        out.append(p if isinstance(p, list) else await mesh.tokenize(rid, text=p))
-    return out
-
-
-def _check_length(cfg: EdgeConfig, prompts: list[list[int]], max_tokens: int) -> None:
-    for p in prompts:
-        if len(p) + max_tokens > cfg.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {cfg.max_model_len} "
-                           f"tokens; the prompt has {len(p)} and max_tokens is {max_tokens}.",
-                           param="max_tokens", code="context_length_exceeded")
-
-
-async def _run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
-                      parsed: ParsedRequest, tenant: str,
-                      sink: asyncio.Queue[tuple[int, Any]]) -> ChoiceResult:
-    """Run one choice on the mesh, pushing (index, event) to ``sink``; returns its result."""
-    result = ChoiceResult(index=index, prompt_tokens=len(tokens))
-    sub_id = rid if parsed.n * max(len(parsed.prompts), 1) == 1 else f"{rid}-{index}"
-    async for event in mesh.generate(sub_id, tokens, parsed.sampling, tenant):
-        if isinstance(event, GenerateChunkEvent):
-            result.text += event.text
-        elif isinstance(event, GenerateDoneEvent):
-            result.finish_reason = event.finish_reason
-            result.completion_tokens = event.completion_tokens
-            result.cached_tokens = event.cached_tokens
-            result.prompt_tokens = event.prompt_tokens or len(tokens)
-            result.worker_id = event.worker_id
-            if event.error is not None:
-                result.error = event.error.message
-        await sink.put((index, event))
-    return result
-
-
 async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
     mesh = request.app[MESH]
     cfg = request.app[CONFIG]
@@ -130,35 +92,28 @@ async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamRe
     bind_request(rid)
     started = time.monotonic()
     route = request.path
-    prompts = await _token_prompts(mesh, rid, parsed)
-    _check_length(cfg, prompts, parsed.sampling.max_tokens)
+    prompts = await token_prompts(mesh, rid, parsed)
+    headers = {"x-request-id": rid}
+    if not parsed.stream:
+        body, usage = await complete(mesh, cfg, parsed, rid, prompts)
+        _observe(route, usage, time.monotonic() - started, None)
+        return web.json_response(body, headers=headers)
+    check_length(cfg, prompts, parsed.sampling.max_tokens)
     jobs = [(pi * parsed.n + j, toks) for pi, toks in enumerate(prompts) for j in range(parsed.n)]
     # The prompt of a choice counts once per distinct prompt in usage, as OpenAI does.
     first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=kind)
     sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     tenant = ""
-    tasks = [asyncio.create_task(_run_choice(mesh, rid, i, toks, parsed, tenant, sink),
+    tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, sink),
                                  name=f"{rid}-{i}") for i, toks in jobs]
-    headers = {"x-request-id": rid}
     try:
-        if parsed.stream:
-            return await _stream(request, meta, parsed, tasks, sink, first_of_prompt,
-                                 headers, started)
-        results = await asyncio.gather(*tasks)
+        return await _stream(request, meta, parsed, tasks, sink, first_of_prompt, headers,
+                             started)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    failed = [r for r in results if r.error]
-    if failed:
-        raise ApiError(503, f"generation failed: {failed[0].error}", type="service_unavailable",
-                       code="worker_error", headers={"Retry-After": "1"})
-    usage = Usage()
-    for r in results:
-        usage.add(r, r.index in first_of_prompt)
-    _observe(route, usage, time.monotonic() - started, None)
-    return web.json_response(full_response(meta, results, usage), headers=headers)
 
 
 def _observe(route: str, usage: Usage, latency: float, ttft: float | None) -> None:

@@ -22,6 +22,11 @@ class EdgeConfig(CommonConfig):
     request_timeout_s: float = option(600.0, "seconds a request may take end to end")
     predict: bool = option(False, "ask the predictor for an output-length estimate")
     edge_id: str = option("", "this edge's id on the bus (empty = random)")
+    batch: bool = option(True, "serve the Batch API (/v1/files, /v1/batches; needs JetStream)")
+    batch_inflight_per_worker: int = option(32, "batch lines in flight per worker (requests)")
+    batch_progress_interval_s: float = option(0.5, "seconds between batch progress saves")
+    batch_profile: str = option("mistral-7b-a6000", "cost-model profile the batch planner "
+                                "balances workers with")
 
     @property
     def model_names(self) -> tuple[str, ...]:

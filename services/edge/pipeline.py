@@ -153,11 +153,16 @@ class MeshClient:
         return None
 
     async def generate(self, request_id: str, token_ids: list[int], sampling: Sampling,
-                       tenant: str) -> AsyncIterator[GenerateChunkEvent | GenerateDoneEvent]:
+                       tenant: str, batch_id: str = "", worker_id: str = ""
+                       ) -> AsyncIterator[GenerateChunkEvent | GenerateDoneEvent]:
         """Run one request on the mesh, yielding its chunks and then its done event.
 
+        ``batch_id`` tags an offline batch request (the worker's ``batch_groups`` policy runs
+        it below interactive traffic); ``worker_id`` is a placement decided by the batch
+        planner, tried first without asking the scheduler (a refusal falls back to routing).
         Cancelling the consumer (client disconnect) aborts the request on its worker.
         """
+        placed = worker_id
         predicted = await self.predict_length(request_id, len(token_ids))
         hashes = block_hashes(token_ids, tenant)
         gen = GenerateRequest(
@@ -168,7 +173,7 @@ class MeshClient:
                 ignore_eos=sampling.ignore_eos,
             ),
             reply_to=self.bus.subjects.stream_reply(self.edge_id, request_id),
-            tenant=tenant, predicted_output=predicted, created=time.time(),
+            tenant=tenant, predicted_output=predicted, batch_id=batch_id, created=time.time(),
         )
         queue = self.streams.open(request_id)
         worker_id = ""
@@ -181,7 +186,8 @@ class MeshClient:
                     max_tokens=sampling.max_tokens, tenant=tenant, predicted_output=predicted,
                     exclude=excluded,
                 )
-                worker_id = await self._route(route)
+                worker_id = placed or await self._route(route)
+                placed = ""
                 failure = await self._submit(worker_id, gen)
                 if failure is None:
                     break

@@ -10,10 +10,14 @@ from contextlib import AsyncExitStack
 from aiohttp import web
 
 from services.edge.app import build_app
+from services.edge.batch_api import add_batch_routes
+from services.edge.batch_runner import BatchRunner
+from services.edge.batch_store import BatchStore
 from services.edge.config import EdgeConfig
 from services.edge.pipeline import MeshClient, MeshTimeouts
+from services.edge.workers import WorkerDirectory
 from shared.bus import Bus
-from shared.messages import STREAM_EVENT
+from shared.messages import BUS_EVENT, STREAM_EVENT
 from shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,7 @@ class EdgeService:
         self.mesh: MeshClient | None = None
         self._site: web.TCPSite | None = None
         self._inbox = None
+        self.batches: BatchRunner | None = None
 
     @property
     def url(self) -> str:
@@ -52,6 +57,8 @@ class EdgeService:
         self._inbox = await bus.subscribe(bus.subjects.stream_inbox(self.edge_id), STREAM_EVENT,
                                           self.mesh.streams.on_event)
         app = build_app(self.cfg, self.mesh)
+        if self.cfg.batch:
+            await self._start_batches(bus, stack, app)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -61,13 +68,29 @@ class EdgeService:
             self.port = runner.addresses[0][1]
         log.info("edge %s listening on %s", self.edge_id, self.url)
         print(f"prefixmesh edge listening on {self.url}", flush=True)
+        if self.batches is not None:
+            await self.batches.resume_all()
+
+    async def _start_batches(self, bus: Bus, stack: AsyncExitStack, app: web.Application) -> None:
+        """Durable store, live-worker directory and runner of the Batch API."""
+        store = await BatchStore.open(bus.nc, self.cfg.subject_prefix)
+        workers = WorkerDirectory()
+        await bus.subscribe(bus.subjects.load_all, BUS_EVENT, workers.on_event)
+        self.batches = BatchRunner(store, self.mesh, self.cfg, workers)
+        # Unwinds before the bus closes: batch tasks stop while NATS is still there.
+        stack.push_async_callback(self.batches.aclose)
+        add_batch_routes(app, store, self.batches)
 
     async def stop_intake(self) -> None:
+        if self.batches is not None:
+            self.batches.stop_intake()  # no new batch lines; in-flight ones finish
         if self._site is not None:
             # Stop accepting connections; requests already in flight keep their streams.
             await self._site.stop()
             self._site = None
 
     async def drain(self) -> None:
-        while self.mesh is not None and len(self.mesh.streams):
+        while self.mesh is not None and (
+            len(self.mesh.streams) or (self.batches is not None and self.batches.inflight)
+        ):
             await asyncio.sleep(DRAIN_POLL_S)

@@ -1,0 +1,88 @@
+"""Running one OpenAI request on the mesh: prompts to token ids, choices to a response.
+
+Shared by the HTTP routes (``app``) and the batch runner (``batch_runner``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from services.edge.config import EdgeConfig
+from services.edge.pipeline import MeshClient
+from services.edge.responses import ChoiceResult, ResponseMeta, Usage, full_response
+from services.edge.schema import ApiError, ParsedRequest
+from shared.messages import GenerateChunkEvent, GenerateDoneEvent
+
+
+async def token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> list[list[int]]:
+    if parsed.kind == "chat":
+        return [await mesh.tokenize(rid, messages=parsed.messages)]
+    out = []
+    for p in parsed.prompts:
+        out.append(p if isinstance(p, list) else await mesh.tokenize(rid, text=p))
+    return out
+
+
+def check_length(cfg: EdgeConfig, prompts: list[list[int]], max_tokens: int) -> None:
+    for p in prompts:
+        if len(p) + max_tokens > cfg.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {cfg.max_model_len} "
+                           f"tokens; the prompt has {len(p)} and max_tokens is {max_tokens}.",
+                           param="max_tokens", code="context_length_exceeded")
+
+
+async def run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
+                      parsed: ParsedRequest, tenant: str,
+                      sink: asyncio.Queue[tuple[int, Any]] | None,
+                      batch_id: str = "", worker_id: str = "") -> ChoiceResult:
+    """Run one choice on the mesh, pushing (index, event) to ``sink`` (if any); returns its
+    result."""
+    result = ChoiceResult(index=index, prompt_tokens=len(tokens))
+    sub_id = rid if parsed.n * max(len(parsed.prompts), 1) == 1 else f"{rid}-{index}"
+    async for event in mesh.generate(sub_id, tokens, parsed.sampling, tenant, batch_id,
+                                     worker_id):
+        if isinstance(event, GenerateChunkEvent):
+            result.text += event.text
+        elif isinstance(event, GenerateDoneEvent):
+            result.finish_reason = event.finish_reason
+            result.completion_tokens = event.completion_tokens
+            result.cached_tokens = event.cached_tokens
+            result.prompt_tokens = event.prompt_tokens or len(tokens)
+            result.worker_id = event.worker_id
+            if event.error is not None:
+                result.error = event.error.message
+        if sink is not None:
+            await sink.put((index, event))
+    return result
+
+
+async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid: str,
+                   prompts: list[list[int]], tenant: str = "", batch_id: str = "",
+                   worker_id: str = "") -> tuple[dict[str, Any], Usage]:
+    """Run a non-streaming request whose prompts are already token ids; returns the
+    OpenAI response body and its usage (raises ApiError when a choice failed). Shared by
+    the HTTP routes and the batch runner."""
+    check_length(cfg, prompts, parsed.sampling.max_tokens)
+    jobs = [(pi * parsed.n + j, toks) for pi, toks in enumerate(prompts) for j in range(parsed.n)]
+    # The prompt of a choice counts once per distinct prompt in usage, as OpenAI does.
+    first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
+    meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
+    tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, None,
+                                             batch_id, worker_id), name=f"{rid}-{i}")
+             for i, toks in jobs]
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [r for r in results if r.error]
+    if failed:
+        raise ApiError(503, f"generation failed: {failed[0].error}", type="service_unavailable",
+                       code="worker_error", headers={"Retry-After": "1"})
+    usage = Usage()
+    for r in results:
+        usage.add(r, r.index in first_of_prompt)
+    return full_response(meta, results, usage), usage
