@@ -15,6 +15,7 @@ import aiohttp
 from loadgen.client import run_open_loop
 from loadgen.options import WorkloadSpec, add_workload_args
 from loadgen.results import RequestResult, summarize
+from loadgen.text_prompts import as_text
 
 PROGRESS_EVERY_S = 0.5
 
@@ -57,10 +58,12 @@ async def first_model(url: str) -> str:
 
 
 def run_bench(url: str, spec: WorkloadSpec, rate: float, duration_s: float, model: str | None,
-              labels: dict, progress: bool = True) -> dict:
+              labels: dict, progress: bool = True, text_prompts: bool = False) -> dict:
     """Replay ``rate x duration`` requests of ``spec`` against ``url``; one result row."""
     count = max(1, round(rate * duration_s))
     requests = spec.requests(count)
+    if text_prompts:
+        requests = as_text(requests)
     arrivals = spec.times(rate, count)
     model = model or asyncio.run(first_model(url))
     bar = Progress(count, progress)
@@ -85,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=0, help="'gpus' field of the result row")
     p.add_argument("--backend", default="sim", help="'backend' field of the result row")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text (SmolLM2-decoded), for routers that route on "
+                   "text only, e.g. sglang-router (it rejects token-id prompts)")
     p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
     return p
 
@@ -97,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "backend": args.backend}
     try:
         row = run_bench(args.url.rstrip("/"), WorkloadSpec.from_args(args), args.rate,
-                        args.duration, args.model, labels, progress=not args.no_progress)
+                        args.duration, args.model, labels, progress=not args.no_progress,
+                        text_prompts=args.text_prompts)
     except aiohttp.ClientError as exc:
         raise SystemExit(f"cannot reach {args.url}: {exc}") from None
     args.json.parent.mkdir(parents=True, exist_ok=True)

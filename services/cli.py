@@ -100,6 +100,18 @@ def _sim(argv: list[str]) -> int:
     return sim_main(argv)
 
 
+def _worker(argv: list[str]) -> int:
+    from services.worker.__main__ import main as worker_main
+
+    return worker_main(argv, standalone=True)
+
+
+def _compare(argv: list[str]) -> int:
+    from loadgen.compare import main as compare_main
+
+    return compare_main(argv)
+
+
 def _bench_scheduler(argv: list[str]) -> int:
     if "--live" in argv:
         from services.scheduler.bench_live import main as live_main
@@ -117,6 +129,10 @@ DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("open-loop HTTP load against an OpenAI-compatible endpoint", _bench),
     "sim": ("virtual-time cluster simulation over rates and policies", _sim),
     "report": ("markdown tables and latency-vs-rate plots from result files", _report),
+    "worker": ("one engine replica; --http PORT serves it standalone (OpenAI, SGLang and "
+               "vLLM routes) for third-party routers", _worker),
+    "compare": ("prefixmesh vs sglang-router / vllm-router in front of the same simulated "
+                "GPUs", _compare),
     "bench-scheduler": ("time the global policy's routing decisions (add --live for the "
                         "scheduler service over NATS)", _bench_scheduler),
 }

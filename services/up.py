@@ -55,6 +55,9 @@ class MeshOptions:
     subject_prefix: str = "pm"
     log_dir: Path | None = None
     log_level: str = "INFO"
+    # Workers already on the bus that this mesh does not start (e.g. standalone HTTP workers
+    # joined with --nats-url, as `prefixmesh compare` runs them); readiness waits for them.
+    external_workers: int = 0
     # Extra PM_* environment for every service (e.g. {"PM_PREDICT": "1"}).
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -152,7 +155,8 @@ class LocalMesh:
             self._check_alive()
             edge = _http_ok(self.url + "/health")
             cluster = _http_ok(self.metrics_url + "/cluster")
-            if edge and cluster and len(cluster.get("workers", [])) >= self.opts.workers:
+            expected = self.opts.workers + self.opts.external_workers
+            if edge and cluster and len(cluster.get("workers", [])) >= expected:
                 return
             time.sleep(POLL_S)
         raise TimeoutError(f"mesh not ready within {READY_TIMEOUT_S}s; logs in {self.log_dir}")

@@ -1,13 +1,49 @@
-"""``python -m services.worker``: run one engine replica."""
+"""``python -m services.worker``: run one engine replica.
+
+``prefixmesh worker`` is the same with two conveniences for a standalone HTTP worker:
+``--http PORT`` is short for ``--http-port PORT``, and unless ``--nats-url`` (or
+``PM_NATS_URL``) is given the worker does not join a mesh (``--no-mesh``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
 
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
-from shared.config import parse
-from shared.lifecycle import main
+from shared.config import ENV_PREFIX, parse
+from shared.lifecycle import main as run_main
 from shared.log import setup_logging
 
-if __name__ == "__main__":
-    cfg = parse(WorkerConfig, None, "python -m services.worker",
+
+def _standalone_argv(argv: list[str]) -> list[str]:
+    out = ["--http-port" if a == "--http" else
+           a.replace("--http=", "--http-port=", 1) if a.startswith("--http=") else a
+           for a in argv]
+    wants_mesh = any(a.startswith(("--nats-url", "--mesh")) for a in out) or (
+        ENV_PREFIX + "NATS_URL" in os.environ)
+    if not wants_mesh and not any(a.startswith("--no-mesh") for a in out):
+        out.append("--no-mesh")
+    return out
+
+
+def main(argv: Sequence[str] | None = None, standalone: bool = False) -> int:
+    """Parse the worker's config and run it until SIGINT/SIGTERM."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = "prefixmesh worker" if standalone else "python -m services.worker"
+    cfg = parse(WorkerConfig, _standalone_argv(argv) if standalone else argv, prog,
                 "One engine replica (simulated GPU by default) with its local scheduler.")
+    if not cfg.mesh and not cfg.http_port:
+        raise SystemExit("a worker outside the mesh needs --http PORT")
+    if not cfg.worker_id and cfg.http_port:  # a readable id for logs and /server_info
+        cfg = dataclasses.replace(cfg, worker_id=f"http-{cfg.http_port}")
     setup_logging("worker", cfg.log_level, cfg.log_json)
-    main(lambda: WorkerService(cfg), cfg.drain_timeout_s)
+    run_main(lambda: WorkerService(cfg), cfg.drain_timeout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,11 @@ class WorkerConfig(CommonConfig):
     tokenizer_path: str = option("", "tokenizer.json for detokenizing (empty = SmolLM2's)")
     load_interval_s: float = option(0.25, "period of load reports to the scheduler (seconds)")
     max_requests: int = option(4096, "queued + running requests before new ones are refused")
+    mesh: bool = option(True, "join the mesh over NATS (--no-mesh: serve HTTP only)")
+    http_host: str = option("127.0.0.1", "address of the standalone HTTP API (with http_port)")
+    http_port: int = option(0, "serve the OpenAI / SGLang / vLLM-compatible HTTP API on this "
+                            "port beside the mesh subjects (0 = no HTTP)")
+    max_model_len: int = option(131072, "HTTP: longest prompt + max_tokens accepted (tokens)")
     default_output_mean: float = option(
         128.0, "sim: mean output tokens of a request with no length hint and no ignore_eos")
 

@@ -74,6 +74,9 @@ class _Live:
     tenant: str
     # None when the engine sends text itself (vllm detokenizes with the model's tokenizer).
     detok: IncrementalDetokenizer | None
+    # An in-process caller (the HTTP front, services/worker/http.py) gets the request's
+    # chunk and done events on this queue instead of on ``reply_to``.
+    sink: asyncio.Queue | None = None
 
 
 def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
@@ -123,7 +126,26 @@ class WorkerService:
             await self._resync()
         return SubmitReply(request_id=getattr(msg, "request_id", ""), worker_id=self.worker_id)
 
-    def _submit(self, req: GenerateRequest) -> SubmitReply:
+    def submit_local(self, req: GenerateRequest, sink: asyncio.Queue) -> SubmitReply:
+        """Queue a request from an in-process caller; its GenerateChunkEvent and
+        GenerateDoneEvent messages are put on ``sink`` (``req.reply_to`` is unused)."""
+        return self._submit(req, sink)
+
+    def reset_cache(self) -> bool:
+        """Drop the engine's prefix cache (False while requests run, as vLLM and SGLang
+        refuse); the AllBlocksCleared event reaches the scheduler with the next step's."""
+        if not isinstance(self.engine, SimEngine) or self.live:
+            return False
+        ok = self.engine.reset_cache()
+        self._wake.set()  # the idle engine loop publishes the pending KV events
+        return ok
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown has begun."""
+        return self._accepting
+
+    def _submit(self, req: GenerateRequest, sink: asyncio.Queue | None = None) -> SubmitReply:
         def refuse(why: str, code: str) -> SubmitReply:
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(why, code, retriable=True))
@@ -146,11 +168,15 @@ class WorkerService:
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
         detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
-        self.live[req.request_id] = _Live(req.reply_to, req.tenant, detok)
+        self.live[req.request_id] = _Live(req.reply_to, req.tenant, detok, sink)
         if isinstance(self.engine, SimEngine):
             self.engine.add(ereq, time.monotonic())
         self._wake.set()
         return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a queued or running request (its caller went away); frees its KV blocks."""
+        self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
         if self.live.pop(request_id, None) is not None:
@@ -165,11 +191,17 @@ class WorkerService:
     # ------------------------------------------------------------------ engine loop
 
     async def _publish_kv(self, events: list) -> None:
-        if not events:
+        if not events or self.bus is None:  # HTTP-only worker: nobody consumes KV events
             return
         self.kv_seq += 1
         await self.bus.publish(self.bus.subjects.kv(self.worker_id), KvEventBatch(
             worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
+
+    async def _deliver(self, live: _Live, event: GenerateChunkEvent | GenerateDoneEvent) -> None:
+        if live.sink is not None:
+            live.sink.put_nowait(event)
+        else:
+            await self.bus.publish(live.reply_to, event)
 
     async def _emit(self, out: StepOutput, text: str = "") -> None:
         """Stream a step's tokens to the request's caller; on its last step, the done
@@ -182,7 +214,7 @@ class WorkerService:
                 text = live.detok.step(out.new_token_ids)
                 if out.finished:
                     text += live.detok.flush()
-            await self.bus.publish(live.reply_to, GenerateChunkEvent(
+            await self._deliver(live, GenerateChunkEvent(
                 request_id=out.request_id, token_ids=out.new_token_ids, text=text,
                 index=out.request.num_output_tokens - len(out.new_token_ids)))
         if not out.finished:
@@ -195,8 +227,9 @@ class WorkerService:
             finish_reason=record.finish_reason, prompt_tokens=record.prompt_tokens,
             completion_tokens=record.completion_tokens, cached_tokens=record.cached_tokens,
             queue_s=record.queue_s, ttft_s=record.ttft_s, latency_s=record.latency_s)
-        await self.bus.publish(live.reply_to, done)
-        await self.bus.publish(self.bus.subjects.done, record)
+        await self._deliver(live, done)
+        if self.bus is not None:
+            await self.bus.publish(self.bus.subjects.done, record)
         FINISHED.labels(self.worker_id, done.finish_reason).inc()
 
     async def _engine_loop(self) -> None:
@@ -251,11 +284,28 @@ class WorkerService:
                                                   self.cfg.tokenizer_path or None)
             self.engine = SimEngine(self.cost, policy, SimEngineConfig(
                 output_token_pool=tuple(self.tok.word_token_ids(OUTPUT_POOL_SIZE))))
-        self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
-                                           f"worker-{self.worker_id}")
-        stack.push_async_callback(bus.close)
+        if self.cfg.mesh:  # before the tasks, so the bus closes after they are cancelled
+            self.bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
+                                         f"worker-{self.worker_id}")
+            stack.push_async_callback(self.bus.close)
         await serve_metrics(stack, self.cfg.metrics_port)
         tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
+        if self.bus is not None:
+            await self._serve_bus(tasks)
+        engine_loop = (self.engine.run(self._emit, self._publish_kv)
+                       if isinstance(self.engine, VllmEngine) else self._engine_loop())
+        tasks.spawn(engine_loop, f"worker-{self.worker_id}-engine")
+        if self.cfg.http_port:
+            from services.worker.http import serve_http  # aiohttp app, only when asked for
+
+            await serve_http(stack, self, self.cfg.http_host, self.cfg.http_port)
+        log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,
+                 self.cfg.model if self.cfg.backend == "vllm" else self.cfg.profile,
+                 self.cfg.local_policy, self.engine.num_blocks)
+
+    async def _serve_bus(self, tasks: TaskSet) -> None:
+        """Serve this worker's subjects on the mesh and publish its load reports."""
+        bus = self.bus
         s = bus.subjects
         for subject in (s.worker_submit(self.worker_id), s.worker_abort(self.worker_id),
                         s.worker_resync(self.worker_id)):
@@ -263,16 +313,12 @@ class WorkerService:
                 subject, WORKER_REQUEST, self._on_request,
                 lambda why: SubmitReply(request_id="", worker_id=self.worker_id, accepted=False,
                                         error=ErrorInfo(why, "bad_request"))))
-        engine_loop = (self.engine.run(self._emit, self._publish_kv)
-                       if isinstance(self.engine, VllmEngine) else self._engine_loop())
-        tasks.spawn(engine_loop, f"worker-{self.worker_id}-engine")
         tasks.spawn(self._load_loop(), f"worker-{self.worker_id}-load")
-        log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,
-                 self.cfg.model if self.cfg.backend == "vllm" else self.cfg.profile,
-                 self.cfg.local_policy, self.engine.num_blocks)
 
     async def stop_intake(self) -> None:
         self._accepting = False
+        if self.bus is None:
+            return
         submit = self.bus.subjects.worker_submit(self.worker_id)
         for sub in list(self._subs):
             if sub.subject == submit:

@@ -1,0 +1,364 @@
+"""``prefixmesh compare``: prefixmesh and the peers' routers in front of the same simulated GPUs.
+
+For each local policy named by the contenders (``fcfs`` unless a contender says
+``NAME@POLICY``), the runner starts nats-server and redis-server when none is given, then
+``--workers`` standalone sim workers (``prefixmesh worker --http PORT``) that also join the
+mesh over NATS. Then, for each rate and each contender (in an order rotated per rate, so
+that noise from other load on the machine spreads over all of them):
+
+1. every worker's prefix cache is flushed (``POST /flush_cache``), so all start cold;
+2. the contender is started in front of those workers: ``prefixmesh-POLICY`` is the mesh
+   (edge, tokenizer, scheduler with POLICY, ...; its own workers: none), ``sglang-POLICY``
+   is ``python -m sglang_router.launch_router``, ``vllm-POLICY`` is ``vllm-router``;
+3. on the first rate, an overhead probe: sequential short requests through the contender and
+   straight to a worker (the bare worker), median latency each;
+4. ``prefixmesh bench --text-prompts`` replays the same seeded workload and arrival trace
+   through the contender's URL (text, because sglang-router rejects token-id prompts);
+5. the contender is stopped (SIGTERM by PID, then SIGKILL).
+
+Every process is started and stopped here, by PID; logs go to ``OUT_DIR/logs``. Result
+rows follow DESIGN.md section 11 with ``policy`` = contender name; the JSON also carries
+``overhead`` rows and ``meta`` (versions, command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import aiohttp
+
+from loadgen.options import parse_floats, parse_names
+from loadgen.report import markdown, plot
+from services.up import LocalMesh, MeshOptions
+from shared.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
+
+ROUTERS = {
+    # family -> (policies it ships, argv prefix)
+    "sglang": (("cache_aware", "round_robin", "power_of_two", "random"),
+               [sys.executable, "-m", "sglang_router.launch_router"]),
+    "vllm": (("cache_aware", "round_robin", "power_of_two", "consistent_hash",
+              "sticky_least_loaded", "random"),
+             [sys.executable, "-m", "vllm_router.launch_router"]),
+}
+PACKAGES = {"sglang": "sglang-router", "vllm": "vllm-router"}
+DEFAULT_CONTENDERS = ("prefixmesh-e2,prefixmesh-round_robin,prefixmesh-e2@prefix_fair,"
+                      "sglang-cache_aware,sglang-round_robin,sglang-power_of_two,"
+                      "vllm-cache_aware,vllm-consistent_hash")
+# The engines' local policy when a contender names none: what vLLM's scheduler does.
+DEFAULT_LOCAL = "fcfs"
+READY_TIMEOUT_S = 60.0
+POLL_S = 0.2
+# Overhead probe: this many sequential requests of a short fixed prompt, one output token.
+PROBE_REQUESTS = 40
+PROBE_PROMPT = "Measure the router overhead with a short prompt that every worker caches."
+# A flush is refused while requests still run; retry this long (seconds).
+FLUSH_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One thing to put in front of the workers."""
+
+    name: str  # as given, e.g. "prefixmesh-e2@prefix_fair"
+    family: str  # prefixmesh | sglang | vllm
+    policy: str
+    local_policy: str
+
+    @classmethod
+    def parse(cls, text: str) -> Contender:
+        head, _, local = text.partition("@")
+        family, _, policy = head.partition("-")
+        if family not in ("prefixmesh", *ROUTERS) or not policy:
+            raise SystemExit(f"contender {text!r}: expected prefixmesh-P, sglang-P or vllm-P")
+        if family in ROUTERS and policy not in ROUTERS[family][0]:
+            raise SystemExit(f"{family} router has no policy {policy!r}: "
+                             f"{', '.join(ROUTERS[family][0])}")
+        return cls(text, family, policy, local or DEFAULT_LOCAL)
+
+
+def available(c: Contender) -> str | None:
+    """None when the contender can run here, else why not."""
+    if c.family in PACKAGES:
+        try:
+            metadata.version(PACKAGES[c.family])
+        except metadata.PackageNotFoundError:
+            return f"{PACKAGES[c.family]} is not installed (pip install -e '.[peers]')"
+    return None
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("prefixmesh", *PACKAGES.values()):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def _get_json(url: str, timeout: float = 2.0) -> object | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"null")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _post(url: str, timeout: float = 5.0) -> int:
+    req = urllib.request.Request(url, data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def wait_models(url: str, proc: ManagedProcess | None, what: str) -> None:
+    """Block until ``url``/v1/models lists a model (the endpoint can serve)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{what} exited with {proc.proc.returncode}; see its log")
+        body = _get_json(url + "/v1/models")
+        if isinstance(body, dict) and body.get("data"):
+            return
+        time.sleep(POLL_S)
+    raise TimeoutError(f"{what} not ready at {url} within {READY_TIMEOUT_S}s")
+
+
+class WorkerGroup:
+    """``n`` standalone HTTP sim workers on the mesh's bus; a context manager."""
+
+    def __init__(self, n: int, local_policy: str, profile: str, nats_url: str,
+                 subject_prefix: str, log_dir: Path) -> None:
+        self.procs: list[ManagedProcess] = []
+        self.urls: list[str] = []
+        self.n, self.local_policy, self.profile = n, local_policy, profile
+        self.nats_url, self.subject_prefix, self.log_dir = nats_url, subject_prefix, log_dir
+
+    def __enter__(self) -> WorkerGroup:
+        try:
+            for i in range(self.n):
+                port = free_port()
+                argv = [sys.executable, "-m", "services.cli", "worker", "--http", str(port),
+                        "--nats-url", self.nats_url, "--subject-prefix", self.subject_prefix,
+                        "--worker-id", f"w{i}", "--backend", "sim", "--profile", self.profile,
+                        "--local-policy", self.local_policy, "--log-level", "WARNING"]
+                name = f"worker-{self.local_policy}-{i}"
+                self.procs.append(ManagedProcess(name, argv, env=child_env(
+                    PYTHONUNBUFFERED="1"), log_path=self.log_dir / f"{name}.log").start())
+                self.urls.append(f"http://127.0.0.1:{port}")
+            for url, proc in zip(self.urls, self.procs):
+                wait_models(url, proc, proc.name)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.stop()
+
+    def flush(self) -> None:
+        """Drop every worker's prefix cache (waits until they are idle)."""
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        for url in self.urls:
+            while _post(url + "/flush_cache") != 200:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} did not flush its cache")
+                time.sleep(0.5)
+
+
+class Running:
+    """A started contender: its URL and how to stop it."""
+
+    def __init__(self, url: str, stop: Callable[[], object]) -> None:
+        self.url, self.stop = url, stop
+
+
+def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], serial: int,
+                    log_dir: Path) -> Running:
+    """Start ``c`` in front of ``group``'s workers; returns when it serves."""
+    if c.family == "prefixmesh":
+        opts = MeshOptions(
+            workers=0, external_workers=group.n, policy=c.policy, local_policy=c.local_policy,
+            profile=group.profile, port=0, metrics_port=0, nats_url=infra["nats"],
+            redis_url=infra["redis"], subject_prefix=group.subject_prefix,
+            log_dir=log_dir / f"mesh-{serial}-{c.name}", log_level="WARNING",
+            # A fresh Redis key prefix: the scheduler must not reload an earlier run's tree.
+            extra_env={"PM_REDIS_PREFIX": f"cmp{serial}"})
+        mesh = LocalMesh(opts)
+        try:
+            mesh.start()
+        except BaseException:
+            mesh.stop()
+            raise
+        time.sleep(1.0)  # a few load reports, so the scheduler has seen every worker
+        return Running(mesh.url, mesh.stop)
+    port = free_port()
+    argv = [*ROUTERS[c.family][1], "--worker-urls", *group.urls, "--host", "127.0.0.1",
+            "--port", str(port), "--policy", c.policy, "--prometheus-port", str(free_port()),
+            "--log-level", "warn" if c.family == "sglang" else "warning"]
+    proc = ManagedProcess(f"{c.name}-{serial}", argv, env=child_env(),
+                          log_path=log_dir / f"{c.name}-{serial}.log").start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_models(url, proc, c.name)
+    except BaseException:
+        proc.stop()
+        raise
+    return Running(url, proc.stop)
+
+
+async def probe(url: str, model: str, n: int = PROBE_REQUESTS) -> float:
+    """Median seconds of ``n`` sequential one-token completions of a short fixed prompt."""
+    body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0.0}
+    times = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for _ in range(n + 1):  # the first one fills the cache; not counted
+            t0 = time.perf_counter()
+            async with s.post(url + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                await r.read()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def run_bench(url: str, model: str, c: Contender, rate: float, args: argparse.Namespace,
+              workload_argv: list[str], out: Path, log_dir: Path) -> dict:
+    """``prefixmesh bench`` as a child process; its one result row."""
+    # The model is named: sglang-router answers /v1/models as text/plain.
+    argv = [sys.executable, "-m", "services.cli", "bench", "--url", url, "--model", model,
+            *workload_argv,
+            "--rate", str(rate), "--duration", str(args.duration), "--json", str(out),
+            "--label", c.name, "--local-policy", c.local_policy, "--gpus", str(args.workers),
+            "--backend", "sim", "--no-progress", "--text-prompts"]
+    with open(log_dir / f"bench-{c.name}-{rate:g}.log", "ab") as log:
+        subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True,
+                       stdin=subprocess.DEVNULL)
+    return json.loads(out.read_text())["runs"][0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixmesh compare",
+        description="prefixmesh and sglang-router / vllm-router in front of the very same "
+        "standalone simulated GPU workers; one JSON + markdown + PNG report. Workload "
+        "options (--zipf, --mix, --arrivals, --seed, ...) are those of `prefixmesh bench`.")
+    p.add_argument("--workers", type=int, default=4, help="simulated GPU workers")
+    p.add_argument("--workload", required=True, help="workload name or mix (see bench)")
+    p.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
+    p.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+                   help="comma-separated: prefixmesh-POLICY, sglang-POLICY, vllm-POLICY, "
+                   "each optionally @LOCAL_POLICY of the workers (default fcfs)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    p.add_argument("--profile", default="mistral-7b-a6000", help="cost-model profile")
+    p.add_argument("--nats-url", default="", help="NATS to use (default: start one)")
+    p.add_argument("--redis-url", default="", help="Redis to use (default: start one)")
+    p.add_argument("--no-probe", action="store_true", help="skip the overhead probe")
+    p.add_argument("--skip-missing", action="store_true",
+                   help="leave out router contenders whose package is not installed")
+    p.add_argument("--json", type=Path, required=True, help="results JSON; .md and .png beside")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, workload_argv = build_parser().parse_known_args(argv)
+    workload_argv = ["--workload", args.workload, *workload_argv]
+    rates = parse_floats(args.rates, "--rates")
+    contenders = [Contender.parse(n) for n in parse_names(args.contenders)]
+    missing = {c.name: why for c in contenders if (why := available(c))}
+    if missing and not args.skip_missing:
+        raise SystemExit("; ".join(f"{n}: {w}" for n, w in missing.items()))
+    contenders = [c for c in contenders if c.name not in missing]
+    out_dir = args.json.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="compare-", dir=out_dir)) / "logs"
+    log_dir.mkdir(parents=True)
+    print(f"logs: {log_dir}", file=sys.stderr, flush=True)
+    result: dict = {"runs": [], "overhead": [], "meta": {
+        "command": "prefixmesh compare " + " ".join(argv), "versions": versions(),
+        "workers": args.workers, "left_out": missing, "started": time.time()}}
+    infra_procs: list[ManagedProcess] = []
+    try:
+        infra = {"nats": args.nats_url, "redis": args.redis_url}
+        if not infra["nats"]:
+            proc, infra["nats"] = start_nats(log_path=log_dir / "nats-server.log")
+            infra_procs.append(proc)
+        if not infra["redis"]:
+            proc, infra["redis"] = start_redis(data_dir=log_dir,
+                                               log_path=log_dir / "redis-server.log")
+            infra_procs.append(proc)
+        by_local: dict[str, list[Contender]] = {}
+        for c in contenders:
+            by_local.setdefault(c.local_policy, []).append(c)
+        serial = 0
+        for local, group_contenders in by_local.items():
+            with WorkerGroup(args.workers, local, args.profile, infra["nats"],
+                             f"cmp{local}", log_dir) as group:
+                bare = None
+                model = _get_json(group.urls[0] + "/v1/models")["data"][0]["id"]
+                for ri, rate in enumerate(rates):
+                    k = ri % len(group_contenders)
+                    for c in group_contenders[k:] + group_contenders[:k]:
+                        serial += 1
+                        group.flush()
+                        running = start_contender(c, group, infra, serial, log_dir)
+                        try:
+                            if ri == 0 and not args.no_probe:
+                                if bare is None:
+                                    bare = asyncio.run(probe(group.urls[0], model))
+                                via = asyncio.run(probe(running.url, model))
+                                result["overhead"].append({
+                                    "contender": c.name, "probe_p50_ms": via * 1e3,
+                                    "bare_p50_ms": bare * 1e3,
+                                    "overhead_ms": (via - bare) * 1e3})
+                            row = run_bench(running.url, model, c, rate, args, workload_argv,
+                                            log_dir / f"run-{serial}.json", log_dir)
+                        finally:
+                            running.stop()
+                        result["runs"].append(row)
+                        print(json.dumps(row), flush=True)
+                        args.json.write_text(json.dumps(result, indent=1))
+    finally:
+        for p in reversed(infra_procs):
+            p.stop()
+    args.json.write_text(json.dumps(result, indent=1))
+    md = markdown(result["runs"]) + overhead_markdown(result["overhead"])
+    args.json.with_suffix(".md").write_text(md)
+    plot(result["runs"], args.json.with_suffix(".png"))
+    print(md)
+    return 0
+
+
+def overhead_markdown(rows: Sequence[dict]) -> str:
+    """The overhead probe as a markdown table."""
+    if not rows:
+        return ""
+    lines = ["", "| contender | probe p50 (ms) | bare worker p50 (ms) | overhead (ms) |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['contender']} | {r['probe_p50_ms']:.2f} | {r['bare_p50_ms']:.2f} "
+                     f"| {r['overhead_ms']:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
