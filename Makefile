@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit up clean
+.PHONY: setup demo test test-unit up compare clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,14 @@ test-unit: setup
 
 up: setup
 	$(VENV)/bin/prefixmesh up
+
+# prefixmesh vs sglang-router / vllm-router over the same simulated GPUs (docs/peers.md).
+COMPARE_ARGS ?= --workers 4 --workload toolbench --zipf 1.1 --rates 4,10,16 --duration 40 \
+	--contenders prefixmesh-e2,prefixmesh-round_robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,prefixmesh-e2@prefix_fair \
+	--json results/peers/toolbench.json
+compare: setup
+	$(PY) -m pip install -q -e ".[peers]"
+	$(VENV)/bin/prefixmesh compare $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
