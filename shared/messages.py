@@ -305,7 +305,19 @@ class RequestDoneEvent(_Msg):
     tenant: str = ""
 
 
-BusEvent = KvEventBatch | LoadReportEvent | RequestDoneEvent
+class BatchProgressEvent(_Msg):
+    """An offline batch's progress, from the edge running it (subject ``batch.progress``)."""
+
+    batch_id: str
+    # OpenAI batch status: "validating", "in_progress", "finalizing", "completed", ...
+    status: str
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    ts: float = 0.0
+
+
+BusEvent = KvEventBatch | LoadReportEvent | RequestDoneEvent | BatchProgressEvent
 
 
 # --------------------------------------------------------------------------- codecs

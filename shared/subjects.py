@@ -62,6 +62,10 @@ class Subjects:
     def done(self) -> str:
         return f"{self.prefix}.done"
 
+    @property
+    def batch_progress(self) -> str:
+        return f"{self.prefix}.batch.progress"
+
     def control(self, name: str) -> str:
         return f"{self.prefix}.control.{_token(name)}"
 

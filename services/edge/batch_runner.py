@@ -55,6 +55,7 @@ from services.edge.workers import WorkerDirectory
 from shared.batch_plan import plan_batch
 from shared.costmodel import CostModel
 from shared.lifecycle import TaskSet
+from shared.messages import BatchProgressEvent
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class BatchRunner:
         if rec.status in TERMINAL or rec.status == CANCELLING:
             return rec
         rec.status, rec.cancelling_at = CANCELLING, int(time.time())
-        await self.store.put_batch(rec)
+        await self._save(rec)
         if job is not None:
             job.cancel.set()
         else:
@@ -180,14 +181,14 @@ class BatchRunner:
             rec.status, rec.failed_at = FAILED, int(time.time())
             rec.errors = [{"code": e.code, "message": e.message, "line": e.line,
                            "param": e.param} for e in errors[:100]]
-            await self.store.put_batch(rec)
+            await self._save(rec)
             return
         done = await self.store.line_results(rec.id)
         self._recount(rec, len(lines), done)
         if rec.status not in (CANCELLING, FINALIZING):
             if rec.status != IN_PROGRESS:
                 rec.status, rec.in_progress_at = IN_PROGRESS, int(time.time())
-            await self.store.put_batch(rec)
+            await self._save(rec)
             pending = [i for i in range(len(lines)) if i not in done]
             job.unrecorded = len(pending)
             BATCH_PENDING.inc(len(pending))
@@ -196,7 +197,7 @@ class BatchRunner:
             finally:
                 BATCH_PENDING.dec(job.unrecorded)
         if not self._intake:
-            await self.store.put_batch(rec)  # shutting down: resume later from here
+            await self._save(rec)  # shutting down: resume later from here
             return
         await self._finalize(rec, lines, await self.store.line_results(rec.id))
 
@@ -244,7 +245,7 @@ class BatchRunner:
                       for w, gs in plan.placement.groups.items()}
         else:  # nobody reporting: let the scheduler route each line
             queues = {"": order}
-        await self.store.put_batch(rec)
+        await self._save(rec)
         async with asyncio.TaskGroup() as tg:
             for w, idx in queues.items():
                 tg.create_task(self._worker_loop(job, w, idx, lines, parsed))
@@ -322,9 +323,20 @@ class BatchRunner:
         if now - job.last_saved >= self.settings.progress_interval_s:
             job.last_saved = now
             if job.rec.status == IN_PROGRESS:  # never overwrite a cancel from the API
-                await self.store.put_batch(job.rec)
+                await self._save(job.rec)
 
     # ------------------------------------------------------------------ helpers
+
+    async def _save(self, rec: BatchRecord) -> None:
+        """Persist the record, then tell the metrics service (best effort) how far it is."""
+        await self.store.put_batch(rec)
+        c = rec.request_counts
+        try:
+            await self.mesh.bus.publish(self.mesh.bus.subjects.batch_progress, BatchProgressEvent(
+                batch_id=rec.id, status=rec.status, total=c.total, completed=c.completed,
+                failed=c.failed, ts=time.time()))
+        except Exception as exc:  # noqa: BLE001 - progress display must not stop a batch
+            log.debug("batch progress publish failed: %s", exc)
 
     def _parse(self, line: BatchLine) -> ParsedRequest:
         body = json.dumps(line.body).encode()
@@ -352,7 +364,7 @@ class BatchRunner:
             and stored.status == CANCELLING)
         if not cancelling:
             rec.status, rec.finalizing_at = FINALIZING, int(time.time())
-            await self.store.put_batch(rec)
+            await self._save(rec)
         out = [output_line(done[i]) for i in sorted(done) if done[i].ok]
         err = [output_line(done[i]) for i in sorted(done) if not done[i].ok]
         now = int(time.time())
@@ -364,7 +376,7 @@ class BatchRunner:
             rec.status, rec.cancelled_at = CANCELLED, now
         else:
             rec.status, rec.completed_at = COMPLETED, now
-        await self.store.put_batch(rec)
+        await self._save(rec)
         log.info("batch %s %s: %s", rec.id, rec.status, rec.request_counts)
 
     async def _put_output(self, batch_id: str, kind: str, rows: list[bytes], now: int) -> str:

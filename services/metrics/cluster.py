@@ -6,12 +6,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import LoadReportEvent, RequestDoneEvent
+from shared.messages import BatchProgressEvent, LoadReportEvent, RequestDoneEvent
 
 # Completions kept for the latency/hit-ratio window.
 DONE_WINDOW = 2048
 # A worker silent for this long (seconds) is shown as stale.
 STALE_AFTER_S = 1.0
+# Offline batches shown (the most recently updated).
+BATCHES_SHOWN = 50
 
 
 @dataclass
@@ -22,6 +24,14 @@ class ClusterView:
     seen_at: dict[str, float] = field(default_factory=dict)
     done: deque[RequestDoneEvent] = field(default_factory=lambda: deque(maxlen=DONE_WINDOW))
     completed_total: int = 0
+    # Latest progress of each offline batch, by batch id (insertion = update order).
+    batches: dict[str, BatchProgressEvent] = field(default_factory=dict)
+
+    def on_batch(self, ev: BatchProgressEvent) -> None:
+        self.batches.pop(ev.batch_id, None)
+        self.batches[ev.batch_id] = ev
+        while len(self.batches) > BATCHES_SHOWN:
+            del self.batches[next(iter(self.batches))]
 
     def on_load(self, report: LoadReportEvent, now: float) -> None:
         self.workers[report.worker_id] = report
@@ -52,4 +62,7 @@ class ClusterView:
             "recent": {"requests": len(lat), "latency_p50_s": pct(0.5),
                        "latency_p99_s": pct(0.99),
                        "cache_hit_ratio": cached / prompt if prompt else 0.0},
+            "batches": [{"id": b.batch_id, "status": b.status, "total": b.total,
+                         "completed": b.completed, "failed": b.failed}
+                        for b in reversed(self.batches.values())],
         }

@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge
 from services.metrics.cluster import ClusterView
 from shared.bus import Bus
 from shared.config import CommonConfig, option
-from shared.messages import BUS_EVENT, LoadReportEvent, RequestDoneEvent
+from shared.messages import BUS_EVENT, BatchProgressEvent, LoadReportEvent, RequestDoneEvent
 from shared.metrics import health_handler, metrics_handler
 from shared.subjects import Subjects
 
@@ -64,11 +64,13 @@ class MetricsService:
             DONE.labels(ev.worker_id).inc()
             PROMPT_TOKENS.labels(ev.worker_id).inc(ev.prompt_tokens)
             CACHED_TOKENS.labels(ev.worker_id).inc(ev.cached_tokens)
+        elif isinstance(ev, BatchProgressEvent):
+            self.view.on_batch(ev)
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
         bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix), "metrics")
         stack.push_async_callback(bus.close)
-        for subject in (bus.subjects.load_all, bus.subjects.done):
+        for subject in (bus.subjects.load_all, bus.subjects.done, bus.subjects.batch_progress):
             self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
         app = web.Application()
         app[VIEW] = self.view

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import aiohttp
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
@@ -126,6 +127,16 @@ async def test_batch_runs_every_line_once(mesh: LocalMesh, nats_server: str) -> 
         assert len(done.runs) == 24 and set(done.runs.values()) == {1}
         listed = await client.batches.list(limit=5)
         assert b.id in [x.id for x in listed.data]
+        # Progress reaches the metrics service's cluster view (and the edge's /metrics).
+        async with aiohttp.ClientSession() as http:
+            async with http.get(mesh.metrics_url + "/cluster") as r:
+                view = await r.json()
+            async with http.get(mesh.url + "/metrics") as r:
+                edge_metrics = await r.text()
+        (row,) = [x for x in view["batches"] if x["id"] == b.id]
+        assert row == {"id": b.id, "status": "completed", "total": 24, "completed": 24,
+                       "failed": 0}
+        assert 'prefixmesh_batch_lines_total{outcome="completed"}' in edge_metrics
     finally:
         await bus.close()
         await client.close()
