@@ -42,7 +42,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     # Workload-attached output length (tokens) for the sim engine; 0 = unknown.
     output_len_hint: int = 0
+    # Log-probabilities of this many most likely tokens per output token (None = none).
     logprobs: int | None = None
+    # Restrict the next token to these ids (vLLM's ``allowed_token_ids``; prefill-only
+    # scoring asks for one token over a few candidates). Empty = no restriction.
+    allowed_token_ids: list[int] = []
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):
@@ -191,6 +195,23 @@ class SubmitReply(_Msg):
 WorkerRequest = GenerateRequest | AbortRequest | ResyncRequest
 
 
+class TopLogprob(msgspec.Struct, omit_defaults=True, array_like=True):
+    """One candidate token and its log-probability (natural log)."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, omit_defaults=True, array_like=True):
+    """Log-probability of one generated token and the most likely alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = []
+
+
 class GenerateChunkEvent(_Msg):
     """Newly generated tokens of one request, streamed to ``GenerateRequest.reply_to``."""
 
@@ -199,6 +220,11 @@ class GenerateChunkEvent(_Msg):
     text: str = ""
     # Index of the first token of this chunk in the output.
     index: int = 0
+    # One entry per token of ``token_ids`` when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = []
+    # Prompt tokens served from the prefix cache (known from the first token on), so an
+    # edge that ends a stream early (stop string) still reports cached tokens.
+    cached_tokens: int = 0
 
 
 class GenerateDoneEvent(_Msg):

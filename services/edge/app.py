@@ -13,17 +13,22 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
+from services.edge.auth import KeyResolver
 from services.edge.completion import check_length, complete, run_choice, token_prompts
 from services.edge.config import EdgeConfig
+from services.edge.openapi import openapi_document
 from services.edge.pipeline import MeshClient
 from services.edge.responses import (
     ChoiceResult,
     ResponseMeta,
     Usage,
     chunk,
+    logprobs_body,
     usage_chunk,
 )
 from services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
+from services.edge.scoring import parse_score, score
+from services.edge.tenants import Admission, ApiKeys
 from shared.log import bind_request
 from shared.messages import GenerateChunkEvent, GenerateDoneEvent
 from shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
@@ -32,6 +37,13 @@ log = logging.getLogger(__name__)
 
 MESH = web.AppKey("mesh", MeshClient)
 CONFIG = web.AppKey("config", EdgeConfig)
+KEYS = web.AppKey("keys", KeyResolver)
+ADMISSION = web.AppKey("admission", Admission)
+# The authenticated tenant of a request ("" with auth off), set by auth_middleware.
+TENANT = web.RequestKey("tenant", str)
+# Client-supplied x-request-id values echoed back: at most this long, these characters.
+_CLIENT_ID_MAX = 128
+_CLIENT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 
 REQUESTS = Counter("prefixmesh_edge_requests_total", "HTTP requests by route and status",
                    ["route", "status"])
@@ -75,6 +87,33 @@ async def errors_middleware(request: web.Request,
     return resp
 
 
+@web.middleware
+async def request_id_middleware(request: web.Request,
+                                handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                                ) -> web.StreamResponse:
+    """Every response carries ``x-request-id``: the client's own (echoed, as proxies do)
+    when it sent a well-formed one, else the response's id (generation routes) or a new
+    ``req-`` id."""
+    resp = await handler(request)
+    client = request.headers.get("x-request-id", "")
+    if not resp.prepared:
+        if client and len(client) <= _CLIENT_ID_MAX and set(client) <= _CLIENT_ID_CHARS:
+            resp.headers["x-request-id"] = client
+        elif "x-request-id" not in resp.headers:
+            resp.headers["x-request-id"] = "req-" + uuid.uuid4().hex
+    return resp
+
+
+@web.middleware
+async def auth_middleware(request: web.Request,
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:
+    """API key -> tenant for everything under /v1/ (401 without a valid key, auth on)."""
+    if request.path.startswith("/v1/"):
+        request[TENANT] = await request.app[KEYS].tenant(request.headers.get("Authorization"))
+    return await handler(request)
+
+
 async def _read_body(request: web.Request) -> bytes:
     try:
         return await request.read()
@@ -90,12 +129,26 @@ async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamRe
     kind = parsed.kind
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     bind_request(rid)
+    tenant = request.get(TENANT, "")
+    admission = request.app[ADMISSION]
+    admission.enter(tenant, time.monotonic())
+    try:
+        return await _generate_admitted(request, parsed, rid, tenant)
+    finally:
+        admission.leave(tenant)
+
+
+async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: str,
+                             tenant: str) -> web.StreamResponse:
+    mesh = request.app[MESH]
+    cfg = request.app[CONFIG]
+    kind = parsed.kind
     started = time.monotonic()
     route = request.path
     prompts = await token_prompts(mesh, rid, parsed)
     headers = {"x-request-id": rid}
     if not parsed.stream:
-        body, usage = await complete(mesh, cfg, parsed, rid, prompts)
+        body, usage = await complete(mesh, cfg, parsed, rid, prompts, tenant)
         _observe(route, usage, time.monotonic() - started, None)
         return web.json_response(body, headers=headers)
     check_length(cfg, prompts, parsed.sampling.max_tokens)
@@ -104,12 +157,11 @@ async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamRe
     first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=kind)
     sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    tenant = ""
     tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, sink),
                                  name=f"{rid}-{i}") for i, toks in jobs]
     try:
         return await _stream(request, meta, parsed, tasks, sink, first_of_prompt, headers,
-                             started)
+                             started, tenant)
     finally:
         for t in tasks:
             t.cancel()
@@ -128,7 +180,7 @@ def _observe(route: str, usage: Usage, latency: float, ttft: float | None) -> No
 async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedRequest,
                   tasks: list[asyncio.Task], sink: asyncio.Queue[tuple[int, Any]],
                   first_of_prompt: set[int], headers: dict[str, str],
-                  started: float) -> web.StreamResponse:
+                  started: float, tenant: str) -> web.StreamResponse:
     """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **headers})
@@ -139,6 +191,8 @@ async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedReques
 
     usage = Usage()
     ttft: float | None = None
+    want_logprobs = parsed.sampling.logprobs is not None
+    text_offsets: dict[int, int] = {}  # choice -> characters sent (completions text_offset)
     pending = set(tasks)
     started_choices: set[int] = set()
     getter: asyncio.Task | None = None
@@ -163,8 +217,11 @@ async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedReques
         if isinstance(event, GenerateChunkEvent):
             if ttft is None:
                 ttft = time.monotonic() - started
-            if event.text:
-                await send(chunk(meta, index, text=event.text))
+            if event.text or (want_logprobs and event.logprobs):
+                lp = logprobs_body(parsed.kind, event.logprobs, text_offsets.get(index, 0)) \
+                    if want_logprobs else None
+                text_offsets[index] = text_offsets.get(index, 0) + len(event.text)
+                await send(chunk(meta, index, text=event.text, logprobs=lp))
         elif isinstance(event, GenerateDoneEvent):
             if event.error is not None:
                 await send(ApiError(503, f"generation failed: {event.error.message}",
@@ -188,14 +245,35 @@ async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedReques
 
 async def completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    parsed = parse_completion(await _read_body(request), cfg.model_names, cfg.vocab_size)
+    parsed = parse_completion(await _read_body(request), cfg.model_names, cfg.vocab_size,
+                              cfg.max_tokens_limit)
     return await _generate(request, parsed)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    parsed = parse_chat(await _read_body(request), cfg.model_names)
+    parsed = parse_chat(await _read_body(request), cfg.model_names, cfg.max_tokens_limit)
     return await _generate(request, parsed)
+
+
+async def score_route(request: web.Request) -> web.Response:
+    """Prefill-only scoring: probabilities of a few single-token continuations."""
+    cfg = request.app[CONFIG]
+    parsed = parse_score(await _read_body(request), cfg.model_names, cfg.vocab_size)
+    rid = "score-" + uuid.uuid4().hex
+    bind_request(rid)
+    tenant = request.get(TENANT, "")
+    admission = request.app[ADMISSION]
+    admission.enter(tenant, time.monotonic())
+    try:
+        body = await score(request.app[MESH], cfg, parsed, rid, tenant)
+    finally:
+        admission.leave(tenant)
+    return web.json_response(body, headers={"x-request-id": rid})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app[CONFIG]))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -215,13 +293,23 @@ async def model(request: web.Request) -> web.Response:
                               "owned_by": "prefixmesh"})
 
 
-def build_app(cfg: EdgeConfig, mesh: MeshClient) -> web.Application:
-    """The edge's aiohttp application."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=cfg.max_body_bytes)
+def build_app(cfg: EdgeConfig, mesh: MeshClient, keys: KeyResolver | None = None
+              ) -> web.Application:
+    """The edge's aiohttp application (``keys``: the API key resolver; None = from
+    ``cfg.api_keys_file`` alone)."""
+    app = web.Application(middlewares=[request_id_middleware, errors_middleware,
+                                       auth_middleware], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[MESH] = mesh
+    if keys is None:
+        keys = KeyResolver(ApiKeys.load(cfg.api_keys_file) if cfg.api_keys_file else ApiKeys(),
+                           cfg.auth)
+    app[KEYS] = keys
+    app[ADMISSION] = Admission(keys.keys, cfg.max_inflight)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/score", score_route)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health_handler)

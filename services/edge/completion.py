@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import aclosing
 from typing import Any
+
+import msgspec
 
 from services.edge.config import EdgeConfig
 from services.edge.pipeline import MeshClient
 from services.edge.responses import ChoiceResult, ResponseMeta, Usage, full_response
 from services.edge.schema import ApiError, ParsedRequest
+from services.edge.stops import StopMatcher
 from shared.messages import GenerateChunkEvent, GenerateDoneEvent
 
 
@@ -38,24 +42,54 @@ async def run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
                       sink: asyncio.Queue[tuple[int, Any]] | None,
                       batch_id: str = "", worker_id: str = "") -> ChoiceResult:
     """Run one choice on the mesh, pushing (index, event) to ``sink`` (if any); returns its
-    result."""
+    result. Stop sequences are applied here (``stops``): the chunk events pushed carry
+    only text before the first stop, and a stop ends the request on its worker at once."""
     result = ChoiceResult(index=index, prompt_tokens=len(tokens))
+    if parsed.sampling.logprobs is not None:
+        result.logprobs = []
+    stops = StopMatcher(parsed.sampling.stop)
     sub_id = rid if parsed.n * max(len(parsed.prompts), 1) == 1 else f"{rid}-{index}"
-    async for event in mesh.generate(sub_id, tokens, parsed.sampling, tenant, batch_id,
-                                     worker_id):
-        if isinstance(event, GenerateChunkEvent):
-            result.text += event.text
-        elif isinstance(event, GenerateDoneEvent):
-            result.finish_reason = event.finish_reason
-            result.completion_tokens = event.completion_tokens
-            result.cached_tokens = event.cached_tokens
-            result.prompt_tokens = event.prompt_tokens or len(tokens)
-            result.worker_id = event.worker_id
-            if event.error is not None:
-                result.error = event.error.message
-        if sink is not None:
-            await sink.put((index, event))
+    events = mesh.generate(sub_id, tokens, parsed.sampling, tenant, batch_id, worker_id)
+    async with aclosing(events):  # leaving early (stop) aborts the request on its worker
+        async for event in events:
+            if isinstance(event, GenerateChunkEvent):
+                result.completion_tokens += len(event.token_ids)
+                result.cached_tokens = event.cached_tokens
+                if result.logprobs is not None:
+                    result.logprobs.extend(event.logprobs)
+                text = stops.feed(event.text)
+                if stops.stopped:
+                    event = msgspec.structs.replace(event, text=text)
+                    result.text += text
+                    await _put(sink, index, event)
+                    done = GenerateDoneEvent(
+                        request_id=sub_id, worker_id=result.worker_id, finish_reason="stop",
+                        prompt_tokens=len(tokens), completion_tokens=result.completion_tokens,
+                        cached_tokens=event.cached_tokens)
+                    result.finish_reason = "stop"
+                    await _put(sink, index, done)
+                    return result
+                event = msgspec.structs.replace(event, text=text)
+                result.text += text
+            elif isinstance(event, GenerateDoneEvent):
+                if tail := stops.flush():
+                    result.text += tail
+                    await _put(sink, index, GenerateChunkEvent(request_id=sub_id, token_ids=[],
+                                                               text=tail))
+                result.finish_reason = event.finish_reason
+                result.completion_tokens = event.completion_tokens
+                result.cached_tokens = event.cached_tokens
+                result.prompt_tokens = event.prompt_tokens or len(tokens)
+                result.worker_id = event.worker_id
+                if event.error is not None:
+                    result.error = event.error.message
+            await _put(sink, index, event)
     return result
+
+
+async def _put(sink: asyncio.Queue[tuple[int, Any]] | None, index: int, event: Any) -> None:
+    if sink is not None:
+        await sink.put((index, event))
 
 
 async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid: str,

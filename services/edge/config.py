@@ -20,6 +20,13 @@ class EdgeConfig(CommonConfig):
     route_retry_s: float = option(8.0, "seconds to keep retrying while no scheduler answers")
     submit_timeout_s: float = option(2.0, "seconds to wait for a worker to accept")
     request_timeout_s: float = option(600.0, "seconds a request may take end to end")
+    max_tokens_limit: int = option(32768, "largest max_tokens accepted (400 above), tokens")
+    max_inflight: int = option(1024, "requests in flight at this edge before new ones get "
+                               "503 + Retry-After (the edge's bounded queue)")
+    api_keys_file: str = option("", "TOML file of tenants, their API keys and limits "
+                                "(services/edge/tenants.py); set = auth on")
+    api_keys_redis: bool = option(False, "also look API keys up in the Redis hash "
+                                  "<redis_prefix>:apikeys (key -> tenant); set = auth on")
     predict: bool = option(False, "ask the predictor for an output-length estimate")
     edge_id: str = option("", "this edge's id on the bus (empty = random)")
     batch: bool = option(True, "serve the Batch API (/v1/files, /v1/batches; needs JetStream)")
@@ -27,6 +34,11 @@ class EdgeConfig(CommonConfig):
     batch_progress_interval_s: float = option(0.5, "seconds between batch progress saves")
     batch_profile: str = option("mistral-7b-a6000", "cost-model profile the batch planner "
                                 "balances workers with")
+
+    @property
+    def auth(self) -> bool:
+        """Whether requests to /v1/ need a valid API key."""
+        return bool(self.api_keys_file) or self.api_keys_redis
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -95,8 +95,10 @@ class MeshClient:
         self.streams = StreamDispatcher()
 
     async def tokenize(self, request_id: str, text: str | None = None,
-                       messages: list[ChatMessage] | None = None) -> list[int]:
-        req = TokenizeRequest(request_id=request_id, text=text, messages=messages)
+                       messages: list[ChatMessage] | None = None,
+                       add_special_tokens: bool = True) -> list[int]:
+        req = TokenizeRequest(request_id=request_id, text=text, messages=messages,
+                              add_special_tokens=add_special_tokens)
         try:
             reply = await self.bus.request(self.bus.subjects.tokenize, req, TOKENIZER_REPLY,
                                            self.timeouts.tokenize_s)
@@ -170,10 +172,12 @@ class MeshClient:
             sampling=SamplingParams(
                 max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop,
-                ignore_eos=sampling.ignore_eos,
+                ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+                allowed_token_ids=sampling.allowed_token_ids,
             ),
             reply_to=self.bus.subjects.stream_reply(self.edge_id, request_id),
             tenant=tenant, predicted_output=predicted, batch_id=batch_id, created=time.time(),
+            deadline=time.time() + self.timeouts.request_s,
         )
         queue = self.streams.open(request_id)
         worker_id = ""

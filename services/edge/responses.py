@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.messages import TokenLogprob
+
 
 @dataclass(slots=True)
 class ChoiceResult:
@@ -18,6 +20,8 @@ class ChoiceResult:
     cached_tokens: int = 0
     error: str = ""
     worker_id: str = ""
+    # Per output token, when the request asked for logprobs (else None).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -58,11 +62,42 @@ class ResponseMeta:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
 
+def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions ``logprobs`` object; ``offset``: text length before them."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object (``content`` only)."""
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    return {"content": [{**one(e.token, e.logprob),
+                         "top_logprobs": [one(t.token, t.logprob) for t in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def logprobs_body(kind: str, entries: list[TokenLogprob] | None,
+                  offset: int = 0) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` field in the shape of ``kind`` (None when not asked for)."""
+    if entries is None:
+        return None
+    return chat_logprobs(entries) if kind == "chat" else completion_logprobs(entries, offset)
+
+
 def _choice(meta: ResponseMeta, c: ChoiceResult) -> dict[str, Any]:
+    lp = logprobs_body(meta.kind, c.logprobs)
     if meta.kind == "chat":
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": None, "finish_reason": c.finish_reason}
-    return {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                "logprobs": lp, "finish_reason": c.finish_reason}
+    return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
 
 def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
@@ -75,17 +110,19 @@ def full_response(meta: ResponseMeta, choices: list[ChoiceResult], usage: Usage)
 
 
 def chunk(meta: ResponseMeta, index: int, text: str | None = None, role: bool = False,
-          finish_reason: str | None = None) -> dict[str, Any]:
-    """One streaming chunk for one choice."""
+          finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
+    """One streaming chunk for one choice (``logprobs`` from ``logprobs_body``)."""
     if meta.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
     return {"id": meta.id, "object": meta.chunk_object, "created": meta.created,
             "model": meta.model, "choices": [choice]}

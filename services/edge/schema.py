@@ -14,6 +14,14 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16
 DEFAULT_MAX_TOKENS = 16
+# Most choices one request may ask for (n times the number of prompts).
+MAX_CHOICES = 64
+# Most log-probabilities per token: completions ``logprobs`` (OpenAI allows 5, vLLM 20)
+# and chat ``top_logprobs`` (OpenAI: 20).
+MAX_LOGPROBS = 20
+MAX_ALLOWED_TOKENS = 256
+# Largest max_tokens accepted when the caller sets no limit of its own (tokens).
+MAX_TOKENS_LIMIT = 131072
 
 
 class ApiError(Exception):
@@ -60,6 +68,8 @@ class _CompletionBody(_Common):
     prompt: Any = None
     echo: bool = False
     logprobs: int | None = None
+    # vLLM extension: restrict generated tokens to these ids.
+    allowed_token_ids: list[int] | None = None
 
 
 class _ChatMessageBody(msgspec.Struct):
@@ -83,6 +93,9 @@ class Sampling:
     seed: int | None
     stop: list[str]
     ignore_eos: bool
+    # Alternatives per token to report (None = no logprobs; 0 = the sampled token's only).
+    logprobs: int | None = None
+    allowed_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -120,11 +133,17 @@ def _decode(body: bytes, typ: type) -> Any:
         raise ApiError(400, f"malformed JSON: {exc}") from None
 
 
-def _sampling(b: _Common, max_tokens: int | None) -> Sampling:
+def _sampling(b: _Common, max_tokens: int | None, max_tokens_limit: int,
+              logprobs: int | None) -> Sampling:
     if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     if max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens > max_tokens_limit:
+        raise ApiError(400, f"max_tokens must be at most {max_tokens_limit}, got {max_tokens}",
+                       param="max_tokens")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     temperature = 1.0 if b.temperature is None else b.temperature
     if not 0.0 <= temperature <= 2.0:
         raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
@@ -140,7 +159,9 @@ def _sampling(b: _Common, max_tokens: int | None) -> Sampling:
     if len(stop) > MAX_STOP_SEQUENCES or any(not s for s in stop):
         raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings",
                        param="stop")
-    return Sampling(max_tokens, temperature, top_p, b.seed, stop, b.ignore_eos)
+    if b.seed is not None and not -(2**63) <= b.seed < 2**64:
+        raise ApiError(400, "seed must fit in 64 bits", param="seed")
+    return Sampling(max_tokens, temperature, top_p, b.seed, stop, b.ignore_eos, logprobs)
 
 
 def _check_common(b: _Common, models: tuple[str, ...]) -> None:
@@ -189,16 +210,41 @@ def _prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:
     return out
 
 
-def parse_completion(body: bytes, models: tuple[str, ...], vocab_size: int) -> ParsedRequest:
+def allowed_tokens(ids: list[int] | None, vocab_size: int) -> list[int]:
+    """Validate ``allowed_token_ids`` (order kept, duplicates dropped)."""
+    if ids is None:
+        return []
+    if not 1 <= len(ids) <= MAX_ALLOWED_TOKENS:
+        raise ApiError(400, f"allowed_token_ids takes 1 to {MAX_ALLOWED_TOKENS} token ids",
+                       param="allowed_token_ids")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is out of range [0, {vocab_size})",
+                       param="allowed_token_ids")
+    return list(dict.fromkeys(ids))
+
+
+def _check_choices(n: int, prompts: int) -> None:
+    if n * prompts > MAX_CHOICES:
+        raise ApiError(400, f"n times the number of prompts must be at most {MAX_CHOICES}",
+                       param="n")
+
+
+def parse_completion(body: bytes, models: tuple[str, ...], vocab_size: int,
+                     max_tokens_limit: int = MAX_TOKENS_LIMIT) -> ParsedRequest:
     """Validate a ``/v1/completions`` body."""
     b = _decode(body, _CompletionBody)
     _check_common(b, models)
     if b.echo:
         raise ApiError(400, "echo is not supported", param="echo")
+    prompts = _prompts(b.prompt, vocab_size)
+    _check_choices(b.n, len(prompts))
+    sampling = _sampling(b, b.max_tokens, max_tokens_limit, b.logprobs)
+    sampling.allowed_token_ids = allowed_tokens(b.allowed_token_ids, vocab_size)
     return ParsedRequest(
-        kind="completion", model=b.model, prompts=_prompts(b.prompt, vocab_size), n=b.n,
+        kind="completion", model=b.model, prompts=prompts, n=b.n,
         stream=b.stream, include_usage=bool(b.stream_options and b.stream_options.include_usage),
-        sampling=_sampling(b, b.max_tokens), user=b.user or "",
+        sampling=sampling, user=b.user or "",
     )
 
 
@@ -221,7 +267,8 @@ def _content_text(content: Any, index: int) -> str:
                    param=f"messages[{index}].content")
 
 
-def parse_chat(body: bytes, models: tuple[str, ...]) -> ParsedRequest:
+def parse_chat(body: bytes, models: tuple[str, ...],
+               max_tokens_limit: int = MAX_TOKENS_LIMIT) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body."""
     b = _decode(body, _ChatBody)
     _check_common(b, models)
@@ -236,8 +283,14 @@ def parse_chat(body: bytes, models: tuple[str, ...]) -> ParsedRequest:
     if all(not m.content for m in messages):
         raise ApiError(400, "messages must contain some text", param="messages")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    if b.top_logprobs is not None and not b.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (b.top_logprobs or 0) if b.logprobs else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+                       param="top_logprobs")
     return ParsedRequest(
         kind="chat", model=b.model, messages=messages, n=b.n, stream=b.stream,
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
-        sampling=_sampling(b, max_tokens), user=b.user or "",
+        sampling=_sampling(b, max_tokens, max_tokens_limit, logprobs), user=b.user or "",
     )

@@ -10,11 +10,13 @@ from contextlib import AsyncExitStack
 from aiohttp import web
 
 from services.edge.app import build_app
+from services.edge.auth import KeyResolver
 from services.edge.batch_api import add_batch_routes
 from services.edge.batch_runner import BatchRunner
 from services.edge.batch_store import BatchStore
 from services.edge.config import EdgeConfig
 from services.edge.pipeline import MeshClient, MeshTimeouts
+from services.edge.tenants import ApiKeys
 from services.edge.workers import WorkerDirectory
 from shared.bus import Bus
 from shared.messages import BUS_EVENT, STREAM_EVENT
@@ -56,7 +58,7 @@ class EdgeService:
         self.mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict)
         self._inbox = await bus.subscribe(bus.subjects.stream_inbox(self.edge_id), STREAM_EVENT,
                                           self.mesh.streams.on_event)
-        app = build_app(self.cfg, self.mesh)
+        app = build_app(self.cfg, self.mesh, await self._key_resolver(stack))
         if self.cfg.batch:
             await self._start_batches(bus, stack, app)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
@@ -70,6 +72,24 @@ class EdgeService:
         print(f"prefixmesh edge listening on {self.url}", flush=True)
         if self.batches is not None:
             await self.batches.resume_all()
+
+    async def _key_resolver(self, stack: AsyncExitStack) -> KeyResolver:
+        """API keys from the key file and, with api_keys_redis, the Redis hash."""
+        cfg = self.cfg
+        try:
+            keys = ApiKeys.load(cfg.api_keys_file) if cfg.api_keys_file else ApiKeys()
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        redis = None
+        if cfg.api_keys_redis:
+            import redis.asyncio as aioredis
+
+            from services.edge.auth import REDIS_TIMEOUT_S
+
+            redis = aioredis.from_url(cfg.redis_url, socket_timeout=REDIS_TIMEOUT_S,
+                                      socket_connect_timeout=REDIS_TIMEOUT_S)
+            stack.push_async_callback(redis.aclose)
+        return KeyResolver(keys, cfg.auth, redis, f"{cfg.redis_prefix}:apikeys")
 
     async def _start_batches(self, bus: Bus, stack: AsyncExitStack, app: web.Application) -> None:
         """Durable store, live-worker directory and runner of the Batch API."""

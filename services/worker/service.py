@@ -36,6 +36,7 @@ from services.worker.engine.vllm_engine import (
 )
 from services.worker.local import make_local_policy
 from services.worker.reports import done_record, load_report
+from services.worker.sim_logprobs import prompt_key, scored_token, token_logprobs
 from shared.bus import Bus
 from shared.costmodel import CostModel
 from shared.lifecycle import TaskSet
@@ -48,6 +49,7 @@ from shared.messages import (
     GenerateRequest,
     KvEventBatch,
     ResyncRequest,
+    SamplingParams,
     SubmitReply,
 )
 from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
@@ -77,6 +79,21 @@ class _Live:
     # An in-process caller (the HTTP front, services/worker/http.py) gets the request's
     # chunk and done events on this queue instead of on ``reply_to``.
     sink: asyncio.Queue | None = None
+    # Sim only: what the request asked for beyond tokens (logprobs, allowed tokens).
+    sampling: SamplingParams | None = None
+    prompt: list[int] | None = None
+    sample_key: str = ""
+
+
+def sample_key(req: GenerateRequest) -> str:
+    """Key of a request's deterministic sim output: greedy and seeded requests repeat
+    themselves on the same prompt (as a real engine would); others vary by request id."""
+    s = req.sampling
+    if s.temperature == 0.0:
+        return f"greedy:{prompt_key(req.token_ids)}"
+    if s.seed is not None:
+        return f"seed:{s.seed}:{prompt_key(req.token_ids)}"
+    return req.request_id
 
 
 def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
@@ -115,7 +132,7 @@ class WorkerService:
             return s.max_tokens
         if s.output_len_hint > 0:
             return min(s.output_len_hint, s.max_tokens)
-        return sample_output_len(req.request_id, self.cfg.default_output_mean, s.max_tokens)
+        return sample_output_len(sample_key(req), self.cfg.default_output_mean, s.max_tokens)
 
     async def _on_request(self, msg: GenerateRequest | AbortRequest | ResyncRequest) -> SubmitReply:
         if isinstance(msg, GenerateRequest):
@@ -161,6 +178,7 @@ class WorkerService:
                 request_id=req.request_id, prompt_token_ids=req.token_ids,
                 max_tokens=req.sampling.max_tokens, output_len=self._output_len(req),
                 tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
+                sample_key=sample_key(req),
             )
             if isinstance(self.engine, VllmEngine):
                 self.engine.add(ereq, time.monotonic(), req.sampling)
@@ -168,7 +186,12 @@ class WorkerService:
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
         detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
-        self.live[req.request_id] = _Live(req.reply_to, req.tenant, detok, sink)
+        live = _Live(req.reply_to, req.tenant, detok, sink)
+        if detok is not None and (req.sampling.logprobs is not None
+                                  or req.sampling.allowed_token_ids):
+            live.sampling, live.prompt, live.sample_key = req.sampling, req.token_ids, \
+                ereq.sample_key
+        self.live[req.request_id] = live
         if isinstance(self.engine, SimEngine):
             self.engine.add(ereq, time.monotonic())
         self._wake.set()
@@ -210,13 +233,15 @@ class WorkerService:
         if live is None:
             return
         if out.new_token_ids:
+            index = out.request.num_output_tokens - len(out.new_token_ids)
+            token_ids, logprobs = self._sim_logprobs(live, out.new_token_ids, index)
             if live.detok is not None:
-                text = live.detok.step(out.new_token_ids)
+                text = live.detok.step(token_ids)
                 if out.finished:
                     text += live.detok.flush()
             await self._deliver(live, GenerateChunkEvent(
-                request_id=out.request_id, token_ids=out.new_token_ids, text=text,
-                index=out.request.num_output_tokens - len(out.new_token_ids)))
+                request_id=out.request_id, token_ids=token_ids, text=text, index=index,
+                logprobs=logprobs, cached_tokens=max(out.num_cached_tokens, 0)))
         if not out.finished:
             return
         del self.live[out.request_id]
@@ -231,6 +256,28 @@ class WorkerService:
         if self.bus is not None:
             await self.bus.publish(self.bus.subjects.done, record)
         FINISHED.labels(self.worker_id, done.finish_reason).inc()
+
+    def _sim_logprobs(self, live: _Live, token_ids: list[int], index: int
+                      ) -> tuple[list[int], list]:
+        """Sim: the chunk's tokens (the best allowed candidate when the request restricts
+        them) and their pseudo log-probabilities (services/worker/sim_logprobs.py)."""
+        s = live.sampling
+        if s is None or self.tok is None:
+            return token_ids, []
+        text_of = self._token_text
+        k = s.logprobs or 0
+        if s.allowed_token_ids:
+            entries = [scored_token(live.prompt, s.allowed_token_ids, k, text_of)
+                       for _ in token_ids]
+            token_ids = [e.token_id for e in entries]
+        else:
+            pool = self.engine.config.output_token_pool
+            entries = [token_logprobs(live.sample_key, index + i, t, pool, k, text_of)
+                       for i, t in enumerate(token_ids)]
+        return token_ids, entries if s.logprobs is not None else []
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
 
     async def _engine_loop(self) -> None:
         """Run steps back to back while there is work; each lasts its modelled GPU time.

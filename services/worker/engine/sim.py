@@ -160,7 +160,7 @@ class SimEngine:
                 f"the engine has {self.cache.num_blocks}"
             )
         req.arrival = now
-        req.token_seed = zlib.crc32(req.request_id.encode())
+        req.token_seed = zlib.crc32((req.sample_key or req.request_id).encode())
         self._requests[req.request_id] = req
         self.policy.push(req, now)
 

@@ -56,6 +56,10 @@ class EngineRequest:
     predicted_output: float = 0.0
     # Offline batch id for batch-group scheduling ("" = interactive).
     batch_id: str = ""
+    # Key of the deterministic output token stream ("" = the request id). Requests with
+    # the same key (same seed and prompt, or greedy on the same prompt) produce the same
+    # tokens.
+    sample_key: str = ""
 
     # ---- engine-managed state
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -78,7 +82,7 @@ class EngineRequest:
     # the remaining tokens then predicted (LocalPolicy.update_prediction; the worker
     # refines as the engine exposes hidden states). 0 = none: use predicted_output.
     refined_output: float = field(default=0.0, init=False)
-    # Seed of the deterministic output token stream (crc32 of the id).
+    # Seed of the deterministic output token stream (crc32 of sample_key or the id).
     token_seed: int = field(default=0, init=False)
     arrival: float = field(default=0.0, init=False)
     first_scheduled: float | None = field(default=None, init=False)

@@ -1,0 +1,127 @@
+"""``POST /v1/score``: prefill-only scoring (PrefillOnly), e.g. P(Yes) vs P(No) after a prompt.
+
+A score request is one output token restricted to the candidates' token ids, with their
+log-probabilities reported: all the engine does is the prefill (plus one sampling step),
+which is what the ``srjf_calibrated`` local policy schedules best. The same thing is
+available through ``/v1/completions`` with ``max_tokens: 1``, ``allowed_token_ids`` and
+``logprobs``; this route adds candidate strings and a plain probability table.
+
+Each candidate must be one token (tokenized without special tokens); longer candidates are
+refused with 400 rather than scored by their first token, which would silently mislead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import msgspec
+
+from services.edge.completion import check_length, run_choice, token_prompts
+from services.edge.config import EdgeConfig
+from services.edge.pipeline import MeshClient
+from services.edge.responses import ChoiceResult, Usage
+from services.edge.schema import (
+    MAX_ALLOWED_TOKENS,
+    ApiError,
+    ParsedRequest,
+    Sampling,
+    _check_choices,
+    _decode,
+    allowed_tokens,
+    _prompts,
+)
+
+
+class _ScoreBody(msgspec.Struct):
+    model: str
+    prompt: Any = None
+    # Continuations to score, each one token: strings, or token ids directly.
+    candidates: list[str] | None = None
+    candidate_token_ids: list[int] | None = None
+    user: str | None = None
+
+
+class ScoreRequest(msgspec.Struct):
+    """A validated score request (candidates not yet tokenized)."""
+
+    model: str
+    prompts: list[str | list[int]]
+    candidates: list[str] | None
+    candidate_token_ids: list[int] | None
+
+
+def parse_score(body: bytes, models: tuple[str, ...], vocab_size: int) -> ScoreRequest:
+    """Validate a ``/v1/score`` body."""
+    b = _decode(body, _ScoreBody)
+    if not b.model:
+        raise ApiError(400, "model must be a non-empty string", param="model")
+    if b.model not in models:
+        raise ApiError(404, f"The model `{b.model}` does not exist.", param="model",
+                       code="model_not_found")
+    prompts = _prompts(b.prompt, vocab_size)
+    _check_choices(1, len(prompts))
+    if (b.candidates is None) == (b.candidate_token_ids is None):
+        raise ApiError(400, "give exactly one of candidates or candidate_token_ids",
+                       param="candidates")
+    if b.candidates is not None:
+        if not 1 <= len(b.candidates) <= MAX_ALLOWED_TOKENS or not all(b.candidates):
+            raise ApiError(400, f"candidates takes 1 to {MAX_ALLOWED_TOKENS} non-empty strings",
+                           param="candidates")
+    else:
+        allowed_tokens(b.candidate_token_ids, vocab_size)  # raises on bad ids
+    return ScoreRequest(b.model, prompts, b.candidates, b.candidate_token_ids)
+
+
+async def _candidate_ids(mesh: MeshClient, rid: str, req: ScoreRequest) -> list[int]:
+    if req.candidate_token_ids is not None:
+        return list(req.candidate_token_ids)
+    ids = []
+    for text in req.candidates or []:
+        toks = await mesh.tokenize(rid, text=text, add_special_tokens=False)
+        if len(toks) != 1:
+            raise ApiError(400, f"candidate {text!r} is {len(toks)} tokens; each candidate "
+                           "must be exactly one token", param="candidates")
+        ids.append(toks[0])
+    return ids
+
+
+async def score(mesh: MeshClient, cfg: EdgeConfig, req: ScoreRequest, rid: str,
+                tenant: str) -> dict[str, Any]:
+    """Run a score request on the mesh; returns the response body."""
+    ids = await _candidate_ids(mesh, rid, req)
+    unique = list(dict.fromkeys(ids))
+    sampling = Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[],
+                        ignore_eos=True, logprobs=len(unique), allowed_token_ids=unique)
+    parsed = ParsedRequest(kind="completion", model=req.model, prompts=req.prompts,
+                           sampling=sampling)
+    prompts = await token_prompts(mesh, rid, parsed)
+    check_length(cfg, prompts, 1)
+    tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, None),
+                                 name=f"{rid}-{i}") for i, toks in enumerate(prompts)]
+    try:
+        results: list[ChoiceResult] = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    usage = Usage()
+    data = []
+    labels = req.candidates if req.candidates is not None else [None] * len(ids)
+    for r in results:
+        if r.error or not r.logprobs:
+            raise ApiError(503, f"scoring failed: {r.error or 'no logprobs from the worker'}",
+                           type="service_unavailable", code="worker_error",
+                           headers={"Retry-After": "1"})
+        usage.add(r, True)
+        by_id = {t.token_id: t.logprob for t in r.logprobs[0].top}
+        scores = []
+        for label, tid in zip(labels, ids, strict=True):
+            lp = by_id.get(tid)
+            scores.append({"candidate": label, "token_id": tid, "logprob": lp,
+                           "probability": math.exp(lp) if lp is not None else 0.0})
+        data.append({"index": r.index, "object": "score", "scores": scores})
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": req.model,
+            "data": sorted(data, key=lambda d: d["index"]), "usage": usage.body()}
