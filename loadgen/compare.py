@@ -10,8 +10,8 @@ that noise from other load on the machine spreads over all of them):
 2. the contender is started in front of those workers: ``prefixmesh-POLICY`` is the mesh
    (edge, tokenizer, scheduler with POLICY, ...; its own workers: none), ``sglang-POLICY``
    is ``python -m sglang_router.launch_router``, ``vllm-POLICY`` is ``vllm-router``;
-3. on the first rate, an overhead probe: sequential short requests through the contender and
-   straight to a worker (the bare worker), median latency each;
+3. on the first rate, an overhead probe: short one-token requests, one at a time, alternately
+   through the contender and straight to a worker (the bare worker), median latency each;
 4. ``prefixmesh bench --text-prompts`` replays the same seeded workload and arrival trace
    through the contender's URL (text, because sglang-router rejects token-id prompts);
 5. the contender is stopped (SIGTERM by PID, then SIGKILL).
@@ -226,18 +226,23 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
     return Running(url, proc.stop)
 
 
-async def probe(url: str, model: str, n: int = PROBE_REQUESTS) -> float:
-    """Median seconds of ``n`` sequential one-token completions of a short fixed prompt."""
+async def probe(url: str, bare_url: str, model: str, n: int = PROBE_REQUESTS
+                ) -> tuple[float, float]:
+    """Median seconds of ``n`` one-token completions of a short fixed prompt through ``url``
+    and straight to the worker at ``bare_url``, sent alternately (so background load on the
+    machine hits both alike), one at a time."""
     body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0.0}
-    times = []
+    times: dict[str, list[float]] = {url: [], bare_url: []}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        for _ in range(n + 1):  # the first one fills the cache; not counted
-            t0 = time.perf_counter()
-            async with s.post(url + "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                await r.read()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        for i in range(n + 1):
+            for target in (url, bare_url):
+                t0 = time.perf_counter()
+                async with s.post(target + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    await r.read()
+                if i:  # the first round fills the caches; not counted
+                    times[target].append(time.perf_counter() - t0)
+    return statistics.median(times[url]), statistics.median(times[bare_url])
 
 
 def run_bench(url: str, model: str, c: Contender, rate: float, args: argparse.Namespace,
@@ -313,7 +318,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for local, group_contenders in by_local.items():
             with WorkerGroup(args.workers, local, args.profile, infra["nats"],
                              f"cmp{local}", log_dir) as group:
-                bare = None
                 model = _get_json(group.urls[0] + "/v1/models")["data"][0]["id"]
                 for ri, rate in enumerate(rates):
                     k = ri % len(group_contenders)
@@ -323,9 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         running = start_contender(c, group, infra, serial, log_dir)
                         try:
                             if ri == 0 and not args.no_probe:
-                                if bare is None:
-                                    bare = asyncio.run(probe(group.urls[0], model))
-                                via = asyncio.run(probe(running.url, model))
+                                via, bare = asyncio.run(probe(running.url, group.urls[0],
+                                                              model))
                                 result["overhead"].append({
                                     "contender": c.name, "probe_p50_ms": via * 1e3,
                                     "bare_p50_ms": bare * 1e3,

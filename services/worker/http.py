@@ -33,9 +33,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
-from contextlib import aclosing
 from typing import Any
 
 import msgspec

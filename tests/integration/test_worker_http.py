@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import aiohttp
@@ -131,7 +132,7 @@ async def test_sglang_generate(http) -> None:
     assert events[-1] == "[DONE]"
     texts = [e["text"] for e in events[:-1]]
     # SGLang streams cumulative text: each event extends the previous one.
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
 
 
