@@ -279,7 +279,10 @@ def parse_chat(body: bytes, models: tuple[str, ...],
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}",
                            param=f"messages[{i}].role")
-        messages.append(ChatMessage(role=m.role, content=_content_text(m.content, i), name=m.name))
+        # OpenAI's "developer" role is the newer name of "system"; chat templates know only
+        # the latter.
+        role = "system" if m.role == "developer" else m.role
+        messages.append(ChatMessage(role=role, content=_content_text(m.content, i), name=m.name))
     if all(not m.content for m in messages):
         raise ApiError(400, "messages must contain some text", param="messages")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
