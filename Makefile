@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit up compare clean
+.PHONY: setup demo test test-unit e2e-browser up compare clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,13 @@ test: setup
 
 test-unit: setup
 	$(PY) -m pytest -q -m unit
+
+# The live dashboard in headless Chromium (part of `make test`; needs the Debian packages
+# chromium and chromium-driver, which .ci/run installs). Keeps the screenshot in
+# docs/dashboard.png.
+e2e-browser: setup
+	PREFIXMESH_DASHBOARD_PNG=docs/dashboard.png $(PY) -m pytest -q \
+		tests/e2e/test_observability.py -k dashboard
 
 up: setup
 	$(VENV)/bin/prefixmesh up

@@ -83,6 +83,8 @@ class LocalMesh:
         self.infra: list[ManagedProcess] = []
         self.services: list[ManagedProcess] = []
         self.log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="prefixmesh-"))
+        # Service name -> port of its Prometheus /metrics (edge and metrics serve their own).
+        self.metrics_ports: dict[str, int] = {}
         self.nats_url = opts.nats_url
         self.redis_url = opts.redis_url
         if opts.port == 0:
@@ -97,6 +99,13 @@ class LocalMesh:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.opts.host}:{self.opts.metrics_port}"
+
+    def scrape_urls(self) -> dict[str, str]:
+        """Every service's Prometheus endpoint, by service name (what Prometheus scrapes)."""
+        urls = {"edge": self.url + "/metrics", "metrics": self.metrics_url + "/metrics"}
+        for name, port in self.metrics_ports.items():
+            urls[name] = f"http://{self.opts.host}:{port}/metrics"
+        return urls
 
     def pids(self) -> dict[str, int]:
         return {p.name: p.pid for p in self.infra + self.services if p.proc is not None}
@@ -120,6 +129,9 @@ class LocalMesh:
 
     def _spawn(self, module: str, name: str, **env: str) -> None:
         o = self.opts
+        if module not in ("edge", "metrics"):  # the others serve /metrics on a side port
+            self.metrics_ports[name] = port = free_port()
+            env = {"PM_METRICS_PORT": str(port), **env}
         base = {
             "PM_NATS_URL": self.nats_url, "PM_REDIS_URL": self.redis_url,
             "PM_SUBJECT_PREFIX": o.subject_prefix, "PM_REDIS_PREFIX": o.subject_prefix,

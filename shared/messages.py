@@ -343,7 +343,44 @@ class BatchProgressEvent(_Msg):
     ts: float = 0.0
 
 
-BusEvent = KvEventBatch | LoadReportEvent | RequestDoneEvent | BatchProgressEvent
+class HotPrefix(msgspec.Struct, omit_defaults=True):
+    """One of the scheduler's most requested prefixes (a prefix-tree node)."""
+
+    # Last block hash of the prefix, hex (block hashes chain, so it names the whole prefix).
+    prefix_id: str
+    # Prefix length from the start of the prompt (tokens).
+    tokens: int
+    # Requests routed through this prefix in the policy window, over all workers.
+    requests: int
+    # Workers believed to cache the whole prefix.
+    workers: list[str] = []
+    # Window requests per worker under this prefix.
+    requests_by_worker: dict[str, int] = {}
+
+
+class SchedulerStatsEvent(_Msg):
+    """The active scheduler's periodic summary for the metrics service (``sched.stats``)."""
+
+    scheduler_id: str
+    ts: float
+    policy: str
+    # Decisions since this instance started, by kind ("exploit", "explore", ...).
+    decisions: dict[str, int] = {}
+    # Prefix-tree size (0 for policies without a tree).
+    tree_nodes: int = 0
+    tree_tokens: int = 0
+    workers: int = 0
+    hot_prefixes: list[HotPrefix] = []
+    # Mean age of KV event batches on arrival over the last period (seconds, wall clock).
+    kv_lag_s: float = 0.0
+    kv_gaps: int = 0
+    # Hot-prefix replicas added / dropped by the policy's background task since start.
+    replicas_added: int = 0
+    replicas_dropped: int = 0
+
+
+BusEvent = (KvEventBatch | LoadReportEvent | RequestDoneEvent | BatchProgressEvent
+            | SchedulerStatsEvent)
 
 
 # --------------------------------------------------------------------------- codecs

@@ -66,6 +66,11 @@ class Subjects:
     def batch_progress(self) -> str:
         return f"{self.prefix}.batch.progress"
 
+    @property
+    def sched_stats(self) -> str:
+        """The active scheduler's periodic summary (decision mix, hot prefixes)."""
+        return f"{self.prefix}.sched.stats"
+
     def control(self, name: str) -> str:
         return f"{self.prefix}.control.{_token(name)}"
 

@@ -48,11 +48,15 @@ _CLIENT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWX
 REQUESTS = Counter("prefixmesh_edge_requests_total", "HTTP requests by route and status",
                    ["route", "status"])
 LATENCY = Histogram("prefixmesh_edge_request_latency_seconds", "send to last token",
-                    ["route"], buckets=LATENCY_BUCKETS_S)
-TTFT = Histogram("prefixmesh_edge_ttft_seconds", "time to first token", ["route"],
+                    ["route", "tenant"], buckets=LATENCY_BUCKETS_S)
+TTFT = Histogram("prefixmesh_edge_ttft_seconds", "time to first token", ["route", "tenant"],
                  buckets=LATENCY_BUCKETS_S)
 TOKENS = Counter("prefixmesh_edge_tokens_total", "tokens by kind (prompt, cached, completion)",
-                 ["kind"])
+                 ["kind", "tenant"])
+ERRORS = Counter("prefixmesh_edge_errors_total", "HTTP requests answered with an error status",
+                 ["route", "status"])
+# Tenant label of requests that carry none (no API key configured).
+DEFAULT_TENANT_LABEL = "default"
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -84,6 +88,8 @@ async def errors_middleware(request: web.Request,
         log.exception("unhandled error on %s", request.path)
         resp = error_response(ApiError(500, "internal error", type="internal_error"))
     REQUESTS.labels(route, str(resp.status)).inc()
+    if resp.status >= 400:
+        ERRORS.labels(route, str(resp.status)).inc()
     return resp
 
 
@@ -149,7 +155,7 @@ async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: s
     headers = {"x-request-id": rid}
     if not parsed.stream:
         body, usage = await complete(mesh, cfg, parsed, rid, prompts, tenant)
-        _observe(route, usage, time.monotonic() - started, None)
+        _observe(route, usage, time.monotonic() - started, None, tenant)
         return web.json_response(body, headers=headers)
     check_length(cfg, prompts, parsed.sampling.max_tokens)
     jobs = [(pi * parsed.n + j, toks) for pi, toks in enumerate(prompts) for j in range(parsed.n)]
@@ -168,13 +174,15 @@ async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: s
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _observe(route: str, usage: Usage, latency: float, ttft: float | None) -> None:
-    LATENCY.labels(route).observe(latency)
+def _observe(route: str, usage: Usage, latency: float, ttft: float | None,
+             tenant: str = "") -> None:
+    tenant = tenant or DEFAULT_TENANT_LABEL
+    LATENCY.labels(route, tenant).observe(latency)
     if ttft is not None:
-        TTFT.labels(route).observe(ttft)
-    TOKENS.labels("prompt").inc(usage.prompt_tokens)
-    TOKENS.labels("cached").inc(usage.cached_tokens)
-    TOKENS.labels("completion").inc(usage.completion_tokens)
+        TTFT.labels(route, tenant).observe(ttft)
+    TOKENS.labels("prompt", tenant).inc(usage.prompt_tokens)
+    TOKENS.labels("cached", tenant).inc(usage.cached_tokens)
+    TOKENS.labels("completion", tenant).inc(usage.completion_tokens)
 
 
 async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedRequest,
@@ -239,7 +247,7 @@ async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedReques
         await send(usage_chunk(meta, usage))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    _observe(request.path, usage, time.monotonic() - started, ttft)
+    _observe(request.path, usage, time.monotonic() - started, ttft, tenant)
     return resp
 
 

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.lease import Lease, LeaseState
+from services.scheduler.stats import build_stats
 from services.scheduler.store import StateStore
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
@@ -52,6 +53,18 @@ PERSIST_FAILURES = Counter("prefixmesh_scheduler_persist_failures_total",
                            "write-behind flushes to Redis that failed")
 PERSISTED_BYTES = Counter("prefixmesh_scheduler_persisted_bytes_total",
                           "bytes of policy state written to Redis")
+ROUTE_ERRORS = Counter("prefixmesh_scheduler_errors_total",
+                       "route requests answered with an error, by code", ["code"])
+TREE_NODES = Gauge("prefixmesh_scheduler_tree_nodes", "nodes in the prefix tree")
+TREE_TOKENS = Gauge("prefixmesh_scheduler_tree_tokens", "tokens held in the prefix tree")
+KV_LAG = Histogram("prefixmesh_scheduler_kv_event_lag_seconds",
+                   "age of a KV event batch when it reaches the scheduler (wall clock)",
+                   buckets=LATENCY_BUCKETS_S)
+REPLICAS = Counter("prefixmesh_scheduler_replicas_total",
+                   "hot-prefix replicas changed by the background task, by change", ["change"])
+# E2's decision kinds, exported at 0 from the start so dashboards and alerts see every
+# series before the first decision of that kind (see policies/e2.py for their meaning).
+E2_DECISION_KINDS = ("exploit", "explore", "pd_balance", "rebalance", "replicate")
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class SchedulerConfig(CommonConfig):
                                 "the active instance dies (seconds)")
     resync_min_interval_s: float = option(1.0, "least time between two resync requests to "
                                           "one worker (seconds)")
+    stats_interval_s: float = option(1.0, "period of the summary (decision mix, hot "
+                                     "prefixes) published for the metrics service (seconds)")
 
 
 class SchedulerService:
@@ -94,6 +109,12 @@ class SchedulerService:
         self.store: StateStore | None = None
         self._subs: list = []
         self._load_sub = None
+        # Decisions by kind since start, and KV-event lag over the current stats period.
+        self.decisions: dict[str, int] = {}
+        self._lag_sum = 0.0
+        self._lag_n = 0
+        self._gaps = 0
+        self._replicas_seen = (0, 0)
 
     def _fresh_policy(self) -> GlobalPolicy:
         return make_policy(self.cfg.policy, self.policy_cfg, self.cost)
@@ -119,12 +140,18 @@ class SchedulerService:
             d = self.policy.route(inp, time.monotonic())
         except NoWorkerError as exc:
             DECISIONS.labels("none").inc()
+            ROUTE_ERRORS.labels("unavailable").inc()
+            self._count("none")
             return RouteReply(request_id=req.request_id, error=ErrorInfo(
                 str(exc) or "no worker available", code="unavailable", retriable=True))
         DECISION_LATENCY.observe(time.perf_counter() - t0)
         DECISIONS.labels(d.kind).inc()
+        self._count(d.kind)
         return RouteReply(request_id=req.request_id, worker_id=d.worker_id, decision=d.kind,
                           matched_tokens=d.matched_tokens)
+
+    def _count(self, kind: str) -> None:
+        self.decisions[kind] = self.decisions.get(kind, 0) + 1
 
     async def _on_event(self, ev: object) -> None:
         now = time.monotonic()
@@ -137,6 +164,7 @@ class SchedulerService:
             why = self._check_kv_tail(ev, now)
             if why:
                 KV_GAPS.inc()
+                self._gaps += 1
                 await self._resync(ev.worker_id, why, now)
         elif isinstance(ev, KvEventBatch):
             await self._on_kv(ev, now)
@@ -145,6 +173,10 @@ class SchedulerService:
 
     async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
         w = batch.worker_id
+        lag = max(time.time() - batch.ts, 0.0)
+        KV_LAG.observe(lag)
+        self._lag_sum += lag
+        self._lag_n += 1
         last = self.kv_seq.get(w)
         self.kv_seq[w] = batch.seq
         if last is None:
@@ -153,6 +185,7 @@ class SchedulerService:
         elif batch.seq > last + 1:
             # Lost events: our view of that worker's cache is unreliable until it resends.
             KV_GAPS.inc()
+            self._gaps += 1
             await self._resync(w, f"gap {last} -> {batch.seq}", now)
         elif batch.seq <= last:  # a new sequence: the worker restarted, its cache is new
             await self._resync(w, f"restart {last} -> {batch.seq}", now)
@@ -202,6 +235,32 @@ class SchedulerService:
                     del self.last_seen[w]
             WORKERS.set(len(self.policy.workers))
             self.policy.tick(now)
+            self._observe_policy()
+
+    def _observe_policy(self) -> None:
+        """Gauges of the policy's state, and replica changes since the last look."""
+        tree = getattr(self.policy, "tree", None)
+        if tree is not None:
+            TREE_NODES.set(len(tree))
+            TREE_TOKENS.set(tree.tokens)
+        rep = getattr(self.policy, "replicator", None)
+        if rep is not None:
+            added, dropped = self._replicas_seen  # reset with each fresh policy
+            REPLICAS.labels("added").inc(max(rep.grown - added, 0))
+            REPLICAS.labels("dropped").inc(max(rep.shrunk - dropped, 0))
+            self._replicas_seen = (rep.grown, rep.shrunk)
+
+    async def _stats_loop(self) -> None:
+        """Publish the summary the metrics service shows (decision mix, hot prefixes)."""
+        while True:
+            await asyncio.sleep(self.cfg.stats_interval_s)
+            if not self.active:
+                continue
+            lag = self._lag_sum / self._lag_n if self._lag_n else 0.0
+            self._lag_sum, self._lag_n = 0.0, 0
+            stats = build_stats(self.instance_id, self.policy, self.decisions, time.time(),
+                                lag, self._gaps)
+            await self.bus.publish(self.bus.subjects.sched_stats, stats)
 
     async def _persist_loop(self) -> None:
         """Write-behind: what changed goes to Redis, a slice at a time (``store``)."""
@@ -243,6 +302,7 @@ class SchedulerService:
         bus = self.bus
         self.policy = self._fresh_policy()
         self.last_seen, self.kv_seq, self._kv_behind, self._resync_at = {}, {}, {}, {}
+        self._replicas_seen = (0, 0)
         self.store = StateStore(self.redis, self.state_key)
         await self._restore()
         self.policy.track_changes()
@@ -286,6 +346,11 @@ class SchedulerService:
                                            "scheduler")
         stack.push_async_callback(bus.close)
         await serve_metrics(stack, self.cfg.metrics_port)
+        for kind in E2_DECISION_KINDS if self.cfg.policy == "e2" else ():
+            DECISIONS.labels(kind)
+        ROUTE_ERRORS.labels("unavailable")
+        for change in ("added", "dropped"):
+            REPLICAS.labels(change)
         tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
         if not self.cfg.ha:
             await self._activate()
@@ -302,6 +367,7 @@ class SchedulerService:
             tasks.spawn(self._lease_loop(), "scheduler-lease")
         tasks.spawn(self._tick_loop(), "scheduler-tick")
         tasks.spawn(self._persist_loop(), "scheduler-persist")
+        tasks.spawn(self._stats_loop(), "scheduler-stats")
 
     async def stop_intake(self) -> None:
         for sub in self._subs:

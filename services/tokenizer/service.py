@@ -7,10 +7,11 @@ tokenizers release the GIL, and a 100k-token prompt must not stall the event loo
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from services.tokenizer.logic import handle
 from services.tokenizer.text import TextTokenizer
@@ -23,12 +24,17 @@ from shared.messages import (
     TokenizeReply,
     TokenizeRequest,
 )
-from shared.metrics import serve_metrics
+from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
 from shared.subjects import TOKENIZER_GROUP, Subjects
 
 REQUESTS = Counter("prefixmesh_tokenizer_requests_total", "tokenizer requests by outcome",
                    ["outcome"])
 TOKENS = Counter("prefixmesh_tokenizer_tokens_total", "tokens produced")
+ERRORS = Counter("prefixmesh_tokenizer_errors_total", "requests answered with an error, by code",
+                 ["code"])
+LATENCY = Histogram("prefixmesh_tokenizer_request_latency_seconds",
+                    "time to answer one request (executor wait included)",
+                    buckets=LATENCY_BUCKETS_S)
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,12 @@ class TokenizerService:
 
     async def _handle(self, req: TokenizeRequest | DetokenizeRequest):
         loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
         reply = await loop.run_in_executor(None, handle, self.tok, req)
+        LATENCY.observe(time.perf_counter() - t0)
         REQUESTS.labels("error" if reply.error else "ok").inc()
+        if reply.error:
+            ERRORS.labels(reply.error.code).inc()
         if isinstance(reply, TokenizeReply):
             TOKENS.inc(len(reply.token_ids))
         return reply

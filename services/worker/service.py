@@ -62,6 +62,12 @@ STEP_TIME = Histogram("prefixmesh_worker_step_seconds", "engine step duration", 
                       buckets=LATENCY_BUCKETS_S)
 FINISHED = Counter("prefixmesh_worker_requests_total", "requests finished by reason",
                    ["worker", "reason"])
+REFUSED = Counter("prefixmesh_worker_errors_total", "submits refused, by error code",
+                  ["worker", "code"])
+LATENCY = Histogram("prefixmesh_worker_request_latency_seconds",
+                    "arrival at the worker to last token", ["worker"], buckets=LATENCY_BUCKETS_S)
+QUEUE_TIME = Histogram("prefixmesh_worker_queue_seconds", "time a request waited to start",
+                       ["worker"], buckets=LATENCY_BUCKETS_S)
 # Size of the word-token pool the simulated engine draws output tokens from.
 OUTPUT_POOL_SIZE = 256
 # Drain polls the engine this often (seconds).
@@ -164,6 +170,7 @@ class WorkerService:
 
     def _submit(self, req: GenerateRequest, sink: asyncio.Queue | None = None) -> SubmitReply:
         def refuse(why: str, code: str) -> SubmitReply:
+            REFUSED.labels(self.worker_id, code).inc()
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(why, code, retriable=True))
 
@@ -183,6 +190,7 @@ class WorkerService:
             if isinstance(self.engine, VllmEngine):
                 self.engine.add(ereq, time.monotonic(), req.sampling)
         except ValueError as exc:
+            REFUSED.labels(self.worker_id, "bad_request").inc()
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
         detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
@@ -256,6 +264,8 @@ class WorkerService:
         if self.bus is not None:
             await self.bus.publish(self.bus.subjects.done, record)
         FINISHED.labels(self.worker_id, done.finish_reason).inc()
+        LATENCY.labels(self.worker_id).observe(record.latency_s)
+        QUEUE_TIME.labels(self.worker_id).observe(record.queue_s)
 
     def _sim_logprobs(self, live: _Live, token_ids: list[int], index: int
                       ) -> tuple[list[int], list]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import redis
+import yaml
 
 from shared.servers import ManagedProcess, ServerNotFound, find_binary, free_port, wait_port
 
@@ -435,3 +436,72 @@ def test_redis_conf_loads_with_aof_persistence(tmp_path: Path) -> None:
         proc.stop()
     assert settings == {"appendonly": "yes", "appendfsync": "everysec", "protected-mode": "no"}
     assert re.search(r"^bind 0\.0\.0\.0\b", REDIS_CONF.read_text(), re.MULTILINE)
+
+
+# ------------------------------------------------------------------------------------------
+# Every profile, and the `observability` profile (Prometheus + Grafana)
+# ------------------------------------------------------------------------------------------
+
+PROFILES = ("gpu", "observability")
+OBSERVABILITY = frozenset({"prometheus", "grafana"})
+PROMETHEUS_CONF = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+
+
+@pytest.fixture(scope="module")
+def observability_model(compose: Compose) -> dict[str, Any]:
+    return compose.load(COMPOSE_FILE, profiles=("observability",))
+
+
+@pytest.mark.parametrize("profiles", [(), ("gpu",), ("observability",), PROFILES],
+                         ids=["default", "gpu", "observability", "all"])
+def test_every_profile_renders(compose: Compose, profiles: tuple[str, ...]) -> None:
+    model = compose.load(COMPOSE_FILE, profiles=profiles)
+    expected = INFRA | APP_SERVICES
+    if "gpu" in profiles:
+        expected |= {GPU_WORKER}
+    if "observability" in profiles:
+        expected |= OBSERVABILITY
+    assert set(model["services"]) == expected
+    for name, svc in model["services"].items():
+        assert svc.get("restart") == "unless-stopped", name
+        assert health_test(svc), f"{name} has no health check"
+    for name in ("nats-data", "redis-data"):
+        assert name in model["volumes"], name
+
+
+def test_observability_services(observability_model: dict[str, Any]) -> None:
+    services = observability_model["services"]
+    prom, graf = services["prometheus"], services["grafana"]
+    assert prom["profiles"] == ["observability"] and graf["profiles"] == ["observability"]
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", prom["image"]), prom["image"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", graf["image"]), graf["image"]
+    assert "/-/healthy" in health_test(prom) and "/api/health" in health_test(graf)
+    assert graf["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    for svc, data in ((prom, "/prometheus"), (graf, "/var/lib/grafana")):
+        assert any(m["type"] == "volume" and m["target"] == data for m in svc["volumes"])
+        for m in svc["volumes"]:
+            if m["type"] == "bind":
+                assert Path(m["source"]).is_file() and m.get("read_only"), m["source"]
+        # Published on the host's loopback by default: neither has auth worth the name.
+        assert all(str(p.get("host_ip")) == "127.0.0.1" for p in svc["ports"]), svc["ports"]
+
+
+def test_prometheus_scrapes_every_app_service_on_its_port(
+        observability_model: dict[str, Any]) -> None:
+    """Each job's DNS names are compose services and its port is where they serve /metrics."""
+    conf = yaml.safe_load(PROMETHEUS_CONF.read_text())
+    services = observability_model["services"]
+    scraped: set[str] = set()
+    for job in conf["scrape_configs"]:
+        for sd in job["dns_sd_configs"]:
+            for name in sd["names"]:
+                if name == GPU_WORKER:
+                    continue  # gpu profile only; same port as `worker`
+                env = services[name]["environment"]
+                port = env.get(OWN_HTTP_PORT_VAR.get(name, INTERNAL_HTTP_PORT_VAR))
+                assert str(sd["port"]) == str(port), (job["job_name"], name)
+                scraped.add(name)
+    assert scraped == set(APP_SERVICES)
+    mounted = {Path(m["source"]).name for m in services["prometheus"]["volumes"]
+               if m["type"] == "bind"}
+    assert {Path(f).name for f in conf["rule_files"]} <= mounted

@@ -1,0 +1,72 @@
+"""The scheduler's periodic summary for the metrics service (pure: no I/O).
+
+Hot prefixes come from the prefix tree's window counts (``Node.counts``: requests routed
+through a node in the policy window, per worker). A request increments every node on its
+path, so a parent's count is at least the sum over its children: the walk only descends
+into nodes that saw traffic, and it reports a node where traffic stops flowing into one
+child (no child carries all of it), so a shared system prompt followed by many distinct
+user turns is reported once, at the end of the shared part.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+
+from shared.messages import HotPrefix, SchedulerStatsEvent
+from shared.prefix_tree import Node, PrefixTree
+
+# Hot prefixes in one summary.
+HOT_PREFIXES_SHOWN = 10
+# Nodes visited per summary at most (bounds the walk on a huge busy tree).
+MAX_NODES_VISITED = 50_000
+
+
+def _total(node: Node) -> int:
+    return sum(node.counts.values())
+
+
+def hot_prefixes(tree: PrefixTree, k: int = HOT_PREFIXES_SHOWN,
+                 max_visit: int = MAX_NODES_VISITED) -> list[HotPrefix]:
+    """The ``k`` most requested prefixes of the policy window, most requested first."""
+    # Min-heap of (requests, tokens, tiebreak, node), at most k entries.
+    found: list[tuple[int, int, int, Node]] = []
+    stack = [c for c in tree.root.children.values() if c.counts]
+    visited = 0
+    while stack and visited < max_visit:
+        node = stack.pop()
+        visited += 1
+        total = _total(node)
+        busy = [c for c in node.children.values() if c.counts]
+        stack.extend(busy)
+        if any(_total(c) >= total for c in busy):
+            continue  # all of this node's traffic goes on into one child: report deeper
+        item = (total, node.end, visited, node)
+        if len(found) < k:
+            heapq.heappush(found, item)
+        elif item[:2] > found[0][:2]:
+            heapq.heapreplace(found, item)
+    ranked = sorted(found, key=lambda t: (t[0], t[1]), reverse=True)
+    block = tree.block_size
+    return [HotPrefix(prefix_id=f"{node.hashes[-1] & 0xFFFFFFFFFFFFFFFF:016x}",
+                      tokens=node.end * block, requests=total,
+                      workers=sorted(node.workers), requests_by_worker=dict(node.counts))
+            for total, _end, _id, node in ranked]
+
+
+def build_stats(scheduler_id: str, policy: object, decisions: Mapping[str, int], ts: float,
+                kv_lag_s: float, kv_gaps: int) -> SchedulerStatsEvent:
+    """A ``SchedulerStatsEvent`` for any policy (tree fields only when it has a tree)."""
+    tree = getattr(policy, "tree", None)
+    replicator = getattr(policy, "replicator", None)
+    workers = getattr(policy, "workers", ())
+    return SchedulerStatsEvent(
+        scheduler_id=scheduler_id, ts=ts, policy=getattr(policy, "name", type(policy).__name__),
+        decisions=dict(decisions),
+        tree_nodes=len(tree) if isinstance(tree, PrefixTree) else 0,
+        tree_tokens=tree.tokens if isinstance(tree, PrefixTree) else 0,
+        workers=len(workers),
+        hot_prefixes=hot_prefixes(tree) if isinstance(tree, PrefixTree) else [],
+        kv_lag_s=kv_lag_s, kv_gaps=kv_gaps,
+        replicas_added=getattr(replicator, "grown", 0),
+        replicas_dropped=getattr(replicator, "shrunk", 0))
