@@ -300,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"logs: {log_dir}", file=sys.stderr, flush=True)
     result: dict = {"runs": [], "overhead": [], "meta": {
         "command": "prefixmesh compare " + " ".join(argv), "versions": versions(),
-        "workers": args.workers, "left_out": missing, "started": time.time()}}
+        "workers": args.workers, "left_out": missing, "failures": [],
+        "started": time.time()}}
     infra_procs: list[ManagedProcess] = []
     try:
         infra = {"nats": args.nats_url, "redis": args.redis_url}
@@ -324,7 +325,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for c in group_contenders[k:] + group_contenders[:k]:
                         serial += 1
                         group.flush()
-                        running = start_contender(c, group, infra, serial, log_dir)
+                        try:
+                            running = start_contender(c, group, infra, serial, log_dir)
+                        except (RuntimeError, TimeoutError) as exc:
+                            # One contender that will not start costs its point, not the run.
+                            print(f"{c.name} at {rate:g}: {exc}", file=sys.stderr, flush=True)
+                            result["meta"]["failures"].append(
+                                {"contender": c.name, "rate": rate, "error": str(exc)})
+                            continue
                         try:
                             if ri == 0 and not args.no_probe:
                                 via, bare = asyncio.run(probe(running.url, group.urls[0],
