@@ -125,3 +125,26 @@ def test_e2_with_rebalancing_off_never_rebalances_a_hot_prefix() -> None:
     run = ClusterSim(ClusterConfig(gpus=4, policy="e2", policy_config=off)).run(reqs, arrivals)
     assert sum(1 for n in run.worker_requests.values() if n) == 1
     assert set(run.decisions) <= {"exploit", "explore", "pd_balance"}
+
+
+def test_knee_window_and_max_rate_under_an_slo() -> None:
+    from loadgen.knee import knee_report, knee_window, max_rate_under
+
+    def row(policy: str, rate: float, p99: float, avg: float, failed: int = 0) -> dict:
+        return {"policy": policy, "local_policy": "fcfs", "workload": "w", "gpus": 4,
+                "rate": rate, "latency_p99_s": p99, "latency_avg_s": avg, "failed": failed,
+                "cache_hit_ratio": 0.5}
+
+    rr = {1.0: row("round_robin", 1, 2.0, 1.0), 2.0: row("round_robin", 2, 3.0, 1.2),
+          3.0: row("round_robin", 3, 5.0, 2.0), 4.0: row("round_robin", 4, 9.0, 3.0),
+          5.0: row("round_robin", 5, 30.0, 9.0)}
+    assert knee_window(rr, 2.0, 5.0) == (2.0, [3.0, 4.0])
+    assert max_rate_under(rr, 9.0) == 4.0
+    assert max_rate_under(rr, 1.0) is None
+    rr[3.0]["failed"] = 1  # a run with unfinished requests never counts as meeting an SLO
+    assert max_rate_under(rr, 9.0) == 2.0
+    rr[3.0]["failed"] = 0
+    runs = [*rr.values(), row("e2", 4, 3.0, 1.5)]
+    text = knee_report(runs, "round_robin", 2.0, 5.0)
+    assert "knee = 4 req/s" in text
+    assert "| e2/fcfs | 1.500 | 3.000 | 50.0% | 0 | 2.00 | 3.00 |" in text
