@@ -58,7 +58,8 @@ def test_schemathesis_finds_no_5xx_and_no_hang(mesh: LocalMesh, tmp_path: Path) 
            "--request-timeout", str(REQUEST_TIMEOUT_S), "--phases", "examples,coverage,fuzzing",
            "--generation-deterministic", "--no-shrink",
            "--report", "junit", "--report-dir", str(tmp_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=220,
+    # cwd: schemathesis keeps a .schemathesis/ folder in the working directory.
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=tmp_path,
                          env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_TELEMETRY": "false"})
     with urllib.request.urlopen(mesh.url + "/metrics", timeout=5) as r:
         counts = _counts(r.read().decode())
