@@ -197,9 +197,11 @@ def test_cluster_view_shows_workers_decisions_and_hot_prefixes(mesh: LocalMesh) 
     def ready() -> dict | None:
         view = cluster(mesh)
         s = view["scheduler"]
-        return view if s and s["hot_prefixes"] and len(view["history"]) >= 2 else None
+        # Summaries come every second: wait for one taken after the fixture's load.
+        fresh = s and sum(s["decisions"].values()) >= REQUESTS_PER_ROUND
+        return view if fresh and s["hot_prefixes"] and len(view["history"]) >= 2 else None
 
-    view = wait_for("a scheduler summary with hot prefixes", ready)
+    view = wait_for("a scheduler summary of the load, with hot prefixes", ready)
     assert [w["worker_id"] for w in view["workers"]] == [f"w{i}" for i in range(WORKERS)]
     assert view["completed_total"] >= REQUESTS_PER_ROUND
     assert sum(w["completed"] for w in view["workers"]) == view["completed_total"]
