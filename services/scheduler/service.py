@@ -220,16 +220,22 @@ class SchedulerService:
 
     async def _tick_loop(self) -> None:
         silent_after = self.cfg.load_interval_s * self.cfg.missed_reports
+        # A tick that wakes this much late means our own loop was stalled (GC, a blocking
+        # call): reports may sit unread in the socket, so silence is judged next tick.
+        stall_s = self.cfg.tick_interval_s + self.cfg.load_interval_s
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self.cfg.tick_interval_s)
+            now = time.monotonic()
+            stalled, last = now - last > stall_s, now
             if not self.active:
                 continue
-            now = time.monotonic()
             # Judge silence only when our own inbox is drained: a report still queued here
             # means we are behind, not that the worker is gone.
             backlog = self._load_sub is not None and self._load_sub.pending_msgs > 0
+            judge = not backlog and not stalled
             for w, seen in list(self.last_seen.items()):
-                if not backlog and now - seen > silent_after and w in self.policy.workers:
+                if judge and now - seen > silent_after and w in self.policy.workers:
                     log.warning("worker %s silent for %.1fs; dropped from routing", w, now - seen)
                     self.policy.remove_worker(w, now)
                     del self.last_seen[w]

@@ -116,14 +116,17 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
         async with running(sched), running(_worker(nats_server, prefix, "a")):
             await eventually(lambda: "a" in sched.policy.workers)
             await _route_retrying(bus, "before", [5] * 64, patience_s=2)
-            redis_proc.stop()
+            # Off the loop: the services under test share it, and a blocking stop/start
+            # would stall their load reports.
+            await asyncio.to_thread(redis_proc.stop)
             for i in range(20):  # Redis is down: every request is still routed at once
                 r = await bus.request(bus.subjects.route, RouteRequest(
                     request_id=f"down{i}", block_hashes=block_hashes([i] * 64),
                     prompt_tokens=64, max_tokens=4), ROUTE_REPLY, 2)
                 assert r.worker_id == "a"
             assert sched.active
-            redis_proc, redis_url = start_redis(port=port, data_dir=tmp_path)
+            redis_proc, redis_url = await asyncio.to_thread(
+                start_redis, port=port, data_dir=tmp_path)
             client = aioredis.from_url(redis_url)
             try:
                 async def persisted() -> bool:
