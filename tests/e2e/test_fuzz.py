@@ -53,8 +53,11 @@ def mesh(nats_server: str, redis_server: str, tmp_path_factory: pytest.TempPathF
 
 def test_schemathesis_finds_no_5xx_and_no_hang(mesh: LocalMesh, tmp_path: Path) -> None:
     st = Path(sys.executable).parent / "schemathesis"
+    # One generator thread: CPython 3.11.7's ast module can raise a spurious "AST
+    # constructor recursion depth mismatch" SystemError when hypothesis parses in
+    # several threads at once (cpython gh-106905), which ends operations early.
     cmd = [str(st), "run", mesh.url + "/openapi.json", "--checks", "not_a_server_error",
-           "--max-examples", str(EXAMPLES), "--workers", "4", "--seed", "1",
+           "--max-examples", str(EXAMPLES), "--workers", "1", "--seed", "1",
            "--request-timeout", str(REQUEST_TIMEOUT_S), "--phases", "examples,coverage,fuzzing",
            "--generation-deterministic", "--no-shrink",
            "--report", "junit", "--report-dir", str(tmp_path)]

@@ -78,7 +78,9 @@ async def test_completion_token_ids_and_text(http) -> None:
         again = await r.json()
     # The second time the engine's prefix cache holds the prompt's full blocks.
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
-    body = {"model": MODEL, "prompt": ["Hello there", "General Kenobi"], "max_tokens": 2, "n": 2}
+    # ignore_eos: without it the sim samples each output's length, which may end at EOS.
+    body = {"model": MODEL, "prompt": ["Hello there", "General Kenobi"], "max_tokens": 2, "n": 2,
+            "ignore_eos": True}
     async with s.post("/v1/completions", json=body) as r:
         multi = await r.json()
     assert sorted(c["index"] for c in multi["choices"]) == [0, 1, 2, 3]
