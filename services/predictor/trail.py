@@ -1,0 +1,152 @@
+"""TRAIL's length bins and Bayesian smoothing of per-step predictions (numpy only).
+
+TRAIL ("Don't Stop Me Now: Embedding Based Scheduling for LLMs", s.3) predicts an output
+length as a distribution over length bins: 10 equal bins over 0-512 tokens by default
+(lengths past the last edge fall in the last bin). The prompt encoder gives the initial
+distribution; at each decode step a probe over the serving model's hidden state gives a
+fresh distribution over the *remaining* length, and the two are combined by a Bayesian
+update so one noisy step cannot swing the estimate:
+
+    prior     = T @ previous posterior      (T: column-stochastic bin transition matrix)
+    posterior = prior * current / sum(...)  (current: the probe's softmax at this step)
+    estimate  = sum(posterior * bin centres) (tokens)
+
+``T`` follows from the bin widths: every generated token lowers the remaining length by one,
+so between two updates ``k`` tokens apart a request in bin ``i`` (width ``w_i``) moves down
+one bin with probability ``min(1, k / w_i)`` and stays otherwise; bin 0 absorbs.
+
+Pure logic: no I/O, no torch; the worker's refiner and the eval CLI both use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# TRAIL's defaults: 10 bins of equal width over [0, 512) output tokens.
+DEFAULT_NUM_BINS = 10
+DEFAULT_MAX_TOKENS = 512.0
+BIN_SPACINGS = ("linear", "log")
+# Floor on a posterior's mass before normalising; below it the update falls back to the
+# current distribution (the prior and the new evidence disagree completely).
+MIN_MASS = 1e-12
+
+
+@dataclass(frozen=True)
+class LengthBins:
+    """Bin edges over output tokens: bin ``i`` is ``[edges[i], edges[i+1])``; the last bin
+    also holds every length at or past the last edge."""
+
+    edges: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        e = np.asarray(self.edges, dtype=np.float64)
+        if e.ndim != 1 or len(e) < 2 or e[0] != 0.0 or np.any(np.diff(e) <= 0):
+            raise ValueError(f"bin edges must start at 0 and increase strictly: {self.edges}")
+
+    @classmethod
+    def make(cls, num_bins: int = DEFAULT_NUM_BINS, max_tokens: float = DEFAULT_MAX_TOKENS,
+             spacing: str = "linear") -> LengthBins:
+        """``num_bins`` bins over [0, max_tokens): equal widths, or log-spaced edges from 1
+        (short outputs get narrow bins; the first bin is [0, 1))."""
+        if num_bins < 1 or max_tokens <= 1:
+            raise ValueError("need num_bins >= 1 and max_tokens > 1")
+        if spacing == "linear":
+            edges = np.linspace(0.0, max_tokens, num_bins + 1)
+        elif spacing == "log":
+            edges = np.concatenate([[0.0], np.geomspace(1.0, max_tokens, num_bins)])
+        else:
+            raise ValueError(f"spacing must be one of {BIN_SPACINGS}, not {spacing!r}")
+        return cls(tuple(float(x) for x in edges))
+
+    @property
+    def num_bins(self) -> int:
+        """Number of bins."""
+        return len(self.edges) - 1
+
+    @property
+    def widths(self) -> np.ndarray:
+        """Width of each bin (tokens)."""
+        return np.diff(np.asarray(self.edges, dtype=np.float64))
+
+    @property
+    def centres(self) -> np.ndarray:
+        """Midpoint of each bin (tokens): the value a bin predicts."""
+        e = np.asarray(self.edges, dtype=np.float64)
+        return (e[:-1] + e[1:]) / 2.0
+
+    def bin_of(self, lengths: np.ndarray | float) -> np.ndarray:
+        """Bin index of each length (negative lengths -> bin 0, past the end -> last)."""
+        inner = np.asarray(self.edges[1:-1], dtype=np.float64)
+        return np.searchsorted(inner, np.asarray(lengths, dtype=np.float64), side="right")
+
+    def to_dict(self) -> dict:
+        """JSON-ready form, saved beside trained artifacts."""
+        return {"edges": list(self.edges)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LengthBins:
+        """Inverse of ``to_dict``."""
+        return cls(tuple(float(x) for x in d["edges"]))
+
+
+def transition_matrix(bins: LengthBins, tokens_per_update: float = 1.0) -> np.ndarray:
+    """Column-stochastic ``T`` (``T[j, i]`` = P(bin j after | bin i before)) for updates
+    ``tokens_per_update`` generated tokens apart."""
+    if tokens_per_update <= 0:
+        raise ValueError("tokens_per_update must be > 0")
+    n = bins.num_bins
+    move = np.minimum(1.0, tokens_per_update / bins.widths)
+    move[0] = 0.0  # remaining length cannot drop below bin 0
+    t = np.diag(1.0 - move)
+    t[np.arange(n - 1), np.arange(1, n)] = move[1:]
+    return t
+
+
+def bayes_update(previous: np.ndarray, current: np.ndarray, transition: np.ndarray) -> np.ndarray:
+    """TRAIL's update: posterior proportional to ``(T @ previous) * current``, normalised.
+
+    Works on one distribution (shape ``[bins]``) or a batch (``[n, bins]``, row-wise).
+    Where prior and evidence share no mass, the posterior is ``current`` itself.
+    """
+    prev = np.asarray(previous, dtype=np.float64)
+    cur = np.asarray(current, dtype=np.float64)
+    prior = prev @ transition.T  # row-vector form of T @ p, batch-friendly
+    post = prior * cur
+    mass = post.sum(axis=-1, keepdims=True)
+    ok = mass > MIN_MASS
+    cur_norm = cur / np.maximum(cur.sum(axis=-1, keepdims=True), MIN_MASS)
+    return np.where(ok, post / np.where(ok, mass, 1.0), cur_norm)
+
+
+def expected_length(dist: np.ndarray, bins: LengthBins) -> np.ndarray | float:
+    """Prediction from a bin distribution: ``sum(dist * centres)`` (tokens)."""
+    out = np.asarray(dist, dtype=np.float64) @ bins.centres
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, numerically stable."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class Smoother:
+    """Per-request running posterior: seed it with the initial distribution, feed it each
+    step's probe distribution, read the expected remaining tokens."""
+
+    def __init__(self, bins: LengthBins, initial: np.ndarray, tokens_per_update: float = 1.0
+                 ) -> None:
+        self.bins = bins
+        self.transition = transition_matrix(bins, tokens_per_update)
+        self.posterior = np.asarray(initial, dtype=np.float64)
+        if self.posterior.shape != (bins.num_bins,):
+            raise ValueError("initial distribution does not match the bins")
+
+    def update(self, current: np.ndarray) -> float:
+        """Fold in one step's distribution; return the expected remaining tokens."""
+        self.posterior = bayes_update(self.posterior, current, self.transition)
+        return float(expected_length(self.posterior, self.bins))

@@ -1,0 +1,108 @@
+"""TRAIL's bins and Bayesian update against hand-computed cases (services/predictor/trail.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.predictor.trail import (
+    LengthBins,
+    Smoother,
+    bayes_update,
+    expected_length,
+    softmax,
+    transition_matrix,
+)
+
+pytestmark = pytest.mark.unit
+
+TWO = LengthBins((0.0, 10.0, 20.0))  # widths 10, 10; centres 5, 15
+
+
+def test_default_bins_are_trails() -> None:
+    b = LengthBins.make()
+    assert b.num_bins == 10
+    assert b.edges[0] == 0.0 and b.edges[-1] == 512.0
+    np.testing.assert_allclose(b.widths, 51.2)
+    np.testing.assert_allclose(b.centres[:2], [25.6, 76.8])
+
+
+def test_bin_of_clamps_at_both_ends() -> None:
+    b = LengthBins.make()
+    assert b.bin_of(-3).item() == 0
+    assert b.bin_of(0).item() == 0
+    assert b.bin_of(51.2).item() == 1  # edges belong to the bin they open
+    assert b.bin_of(511.9).item() == 9
+    assert b.bin_of(5000).item() == 9
+    assert list(b.bin_of(np.array([10, 60, 200]))) == [0, 1, 3]
+
+
+def test_log_bins() -> None:
+    b = LengthBins.make(4, 1000.0, "log")
+    np.testing.assert_allclose(b.edges, [0.0, 1.0, 10.0, 100.0, 1000.0])
+    assert b.bin_of(5).item() == 1 and b.bin_of(50).item() == 2
+
+
+@pytest.mark.parametrize("edges", [(1.0, 2.0), (0.0,), (0.0, 5.0, 5.0), (0.0, 3.0, 2.0)])
+def test_bad_edges(edges: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError):
+        LengthBins(edges)
+
+
+def test_bad_spacing() -> None:
+    with pytest.raises(ValueError):
+        LengthBins.make(10, 512, "cubic")
+
+
+def test_transition_matrix_from_widths() -> None:
+    # One token per update, widths 10: leave bin 1 for bin 0 with probability 1/10.
+    np.testing.assert_allclose(transition_matrix(TWO), [[1.0, 0.1], [0.0, 0.9]])
+    # Four tokens per update; widths 2, 4, 8.
+    t = transition_matrix(LengthBins((0.0, 2.0, 6.0, 14.0)), tokens_per_update=4)
+    np.testing.assert_allclose(t, [[1.0, 1.0, 0.0], [0.0, 0.0, 0.5], [0.0, 0.0, 0.5]])
+    np.testing.assert_allclose(t.sum(axis=0), 1.0)  # columns are distributions
+
+
+def test_bayes_update_hand_computed() -> None:
+    # prior = T @ [0.5, 0.5] = [0.55, 0.45]; * [0.2, 0.8] = [0.11, 0.36]; / 0.47.
+    post = bayes_update(np.array([0.5, 0.5]), np.array([0.2, 0.8]), transition_matrix(TWO))
+    np.testing.assert_allclose(post, [0.11 / 0.47, 0.36 / 0.47])
+    # prediction = 5 * 0.2340 + 15 * 0.7660 = 12.6596
+    assert expected_length(post, TWO) == pytest.approx(5 * 0.11 / 0.47 + 15 * 0.36 / 0.47)
+    assert expected_length(post, TWO) == pytest.approx(12.659574, abs=1e-6)
+
+
+def test_bayes_update_batch_matches_rows() -> None:
+    t = transition_matrix(TWO)
+    prev = np.array([[0.5, 0.5], [0.9, 0.1]])
+    cur = np.array([[0.2, 0.8], [0.5, 0.5]])
+    batch = bayes_update(prev, cur, t)
+    for i in range(2):
+        np.testing.assert_allclose(batch[i], bayes_update(prev[i], cur[i], t))
+    # Row 2: prior [0.91, 0.09], evidence flat -> posterior = prior.
+    np.testing.assert_allclose(batch[1], [0.91, 0.09])
+
+
+def test_disjoint_evidence_falls_back_to_current() -> None:
+    post = bayes_update(np.array([1.0, 0.0]), np.array([0.0, 2.0]), transition_matrix(TWO))
+    np.testing.assert_allclose(post, [0.0, 1.0])
+
+
+def test_smoother_moves_down_with_confident_evidence() -> None:
+    s = Smoother(TWO, np.array([0.0, 1.0]))
+    # Evidence for bin 0 but the prior says bin 1 with 0.9: posterior = [0.1*.9, .9*.1]/...
+    est = s.update(np.array([0.9, 0.1]))
+    np.testing.assert_allclose(s.posterior, [0.5, 0.5])
+    assert est == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        Smoother(TWO, np.array([1.0, 0.0, 0.0]))
+
+
+def test_softmax_rows_sum_to_one() -> None:
+    p = softmax(np.array([[1000.0, 1000.0], [0.0, np.log(3.0)]]))
+    np.testing.assert_allclose(p, [[0.5, 0.5], [0.25, 0.75]])
+
+
+def test_bins_round_trip() -> None:
+    b = LengthBins.make(6, 300, "log")
+    assert LengthBins.from_dict(b.to_dict()) == b
