@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from services.edge.config import EdgeConfig
-from services.edge.pipeline import MeshClient
+from services.edge.pipeline import MeshClient, WorkerLost
 from services.edge.responses import ChoiceResult, ResponseMeta, Usage, full_response
 from services.edge.schema import ApiError, ParsedRequest
 from services.edge.stops import StopMatcher
@@ -40,16 +40,19 @@ def check_length(cfg: EdgeConfig, prompts: list[list[int]], max_tokens: int) -> 
 async def run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
                       parsed: ParsedRequest, tenant: str,
                       sink: asyncio.Queue[tuple[int, Any]] | None,
-                      batch_id: str = "", worker_id: str = "") -> ChoiceResult:
+                      batch_id: str = "", worker_id: str = "", exclude: tuple[str, ...] = (),
+                      deadline: float = 0.0) -> ChoiceResult:
     """Run one choice on the mesh, pushing (index, event) to ``sink`` (if any); returns its
     result. Stop sequences are applied here (``stops``): the chunk events pushed carry
-    only text before the first stop, and a stop ends the request on its worker at once."""
+    only text before the first stop, and a stop ends the request on its worker at once.
+    ``exclude`` and ``deadline`` go to ``MeshClient.generate``."""
     result = ChoiceResult(index=index, prompt_tokens=len(tokens))
     if parsed.sampling.logprobs is not None:
         result.logprobs = []
     stops = StopMatcher(parsed.sampling.stop)
     sub_id = rid if parsed.n * max(len(parsed.prompts), 1) == 1 else f"{rid}-{index}"
-    events = mesh.generate(sub_id, tokens, parsed.sampling, tenant, batch_id, worker_id)
+    events = mesh.generate(sub_id, tokens, parsed.sampling, tenant, batch_id, worker_id,
+                           exclude, deadline)
     async with aclosing(events):  # leaving early (stop) aborts the request on its worker
         async for event in events:
             if isinstance(event, GenerateChunkEvent):
@@ -87,6 +90,23 @@ async def run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
     return result
 
 
+async def _choice_with_failover(mesh: MeshClient, rid: str, index: int, tokens: list[int],
+                                parsed: ParsedRequest, tenant: str, batch_id: str,
+                                worker_id: str, deadline: float) -> ChoiceResult:
+    """A non-streamed choice: nothing reached the client yet, so a choice whose worker died
+    after streaming some tokens is run again from scratch elsewhere (DESIGN.md s.12)."""
+    lost: list[str] = []
+    while True:
+        try:
+            return await run_choice(mesh, rid, index, tokens, parsed, tenant, None, batch_id,
+                                    worker_id, tuple(lost), deadline)
+        except WorkerLost as exc:
+            lost.append(exc.worker_id)
+            worker_id = ""
+            if len(lost) >= mesh.timeouts.attempts:
+                raise
+
+
 async def _put(sink: asyncio.Queue[tuple[int, Any]] | None, index: int, event: Any) -> None:
     if sink is not None:
         await sink.put((index, event))
@@ -103,8 +123,10 @@ async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid
     # The prompt of a choice counts once per distinct prompt in usage, as OpenAI does.
     first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
-    tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, None,
-                                             batch_id, worker_id), name=f"{rid}-{i}")
+    deadline = time.time() + mesh.timeouts.request_s
+    tasks = [asyncio.create_task(_choice_with_failover(mesh, rid, i, toks, parsed, tenant,
+                                                       batch_id, worker_id, deadline),
+                                 name=f"{rid}-{i}")
              for i, toks in jobs]
     try:
         results = await asyncio.gather(*tasks)

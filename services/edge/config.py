@@ -20,6 +20,9 @@ class EdgeConfig(CommonConfig):
     route_retry_s: float = option(8.0, "seconds to keep retrying while no scheduler answers")
     submit_timeout_s: float = option(2.0, "seconds to wait for a worker to accept")
     request_timeout_s: float = option(600.0, "seconds a request may take end to end")
+    worker_silence_s: float = option(1.0, "seconds without load reports after which a "
+                                     "worker is presumed dead and its requests fail over "
+                                     "(0 = never)")
     max_tokens_limit: int = option(32768, "largest max_tokens accepted (400 above), tokens")
     max_inflight: int = option(1024, "requests in flight at this edge before new ones get "
                                "503 + Retry-After (the edge's bounded queue)")

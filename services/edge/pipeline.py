@@ -2,6 +2,14 @@
 
 One ``MeshClient`` per edge process. Token streams from workers arrive on the edge's own
 inbox subject (``stream.<edge_id>.*``) and are dispatched to per-request queues.
+
+Worker failover (DESIGN.md section 12): while a request waits on its worker, the edge
+watches that worker's load reports (``WorkerDirectory``). A worker silent for
+``worker_silence_s`` is presumed dead: a request that has yielded nothing yet is placed
+again on another worker, transparently; one that already yielded tokens raises
+``WorkerLost`` (a streamed response ends with that error event; a non-streamed choice is
+re-run from scratch by ``completion.complete``). Every placement after the first uses its
+own wire id (``<id>-f<n>``), so late events of the presumed-dead worker never mix in.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.edge.schema import ApiError, Sampling
+from services.edge.workers import WorkerDirectory
 from shared.blocks import block_hashes
 from shared.bus import Bus, BusUnavailable
 from shared.messages import (
@@ -39,6 +48,8 @@ RETRY_AFTER_S = 1
 # Routing retry backoff while the scheduler is unavailable (seconds).
 ROUTE_BACKOFF_S = 0.05
 ROUTE_BACKOFF_MAX_S = 0.5
+# While waiting on a worker, its liveness is checked this often (seconds).
+WATCH_TICK_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +65,9 @@ class MeshTimeouts:
     request_s: float = 600.0
     # Routing attempts per request (a refused or silent worker is excluded and re-routed).
     attempts: int = 3
+    # A worker whose load reports stop for this long is presumed dead and its requests
+    # fail over (about 4 report intervals of 0.25 s; 0 = never fail over).
+    worker_silence_s: float = 1.0
 
 
 class StreamDispatcher:
@@ -79,6 +93,16 @@ class StreamDispatcher:
             q.put_nowait(event)
 
 
+class WorkerLost(ApiError):
+    """The worker of a request that already yielded tokens stopped reporting (retriable)."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(503, f"worker {worker_id} stopped responding mid-request; retry "
+                         "the request", type="service_unavailable", code="worker_lost",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.worker_id = worker_id
+
+
 def unavailable(what: str, exc: Exception) -> ApiError:
     return ApiError(503, f"{what} unavailable: {exc}", type="service_unavailable",
                     code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -87,12 +111,21 @@ def unavailable(what: str, exc: Exception) -> ApiError:
 class MeshClient:
     """The edge's client for the tokenizer, predictor, scheduler and workers."""
 
-    def __init__(self, bus: Bus, edge_id: str, timeouts: MeshTimeouts, predict: bool) -> None:
+    def __init__(self, bus: Bus, edge_id: str, timeouts: MeshTimeouts, predict: bool,
+                 workers: WorkerDirectory | None = None) -> None:
         self.bus = bus
         self.edge_id = edge_id
         self.timeouts = timeouts
         self.predict = predict
         self.streams = StreamDispatcher()
+        # Load reports seen on ``load.*`` (None: no failover, requests wait out their deadline).
+        self.workers = workers
+        # Worker silence counts from this monotonic time on at the earliest: the last time
+        # this edge was itself blind (NATS down, reconnected, or its loop stalled).
+        self._blind_at = time.monotonic()
+        self._last_check = time.monotonic()
+        self._reconnects = 0
+        self.failovers = 0  # placements abandoned because their worker fell silent
 
     async def tokenize(self, request_id: str, text: str | None = None,
                        messages: list[ChatMessage] | None = None,
@@ -154,68 +187,119 @@ class MeshClient:
             return ack.error.message if ack.error else "refused"
         return None
 
+    def _judging_since(self) -> float:
+        """Monotonic time from which a worker's silence counts: our own blindness (NATS
+        disconnected or just reconnected, our event loop stalled) says nothing about it."""
+        now = time.monotonic()
+        reconnects = self.bus.nc.stats.get("reconnects", 0)
+        # Requests in flight check every tick; a longer gap means our loop stalled (or
+        # nothing was in flight: judging again from now on costs nothing then).
+        stalled = now - self._last_check > self._tick() + self.timeouts.worker_silence_s / 2
+        if not self.bus.connected or reconnects != self._reconnects or stalled:
+            self._reconnects = reconnects
+            self._blind_at = now
+        self._last_check = now
+        return self._blind_at
+
+    def _tick(self) -> float:
+        """Seconds between liveness checks of a request's worker."""
+        silence = self.timeouts.worker_silence_s
+        return min(WATCH_TICK_S, silence / 4) if silence > 0 else WATCH_TICK_S
+
+    def _silent(self, worker_id: str, submitted_at: float) -> bool:
+        """True when ``worker_id`` has not reported for ``worker_silence_s``."""
+        if self.workers is None or self.timeouts.worker_silence_s <= 0:
+            return False
+        heard = max(self.workers.last_seen(worker_id) or 0.0, submitted_at,
+                    self._judging_since())
+        return time.monotonic() - heard > self.timeouts.worker_silence_s
+
+    async def _place(self, gen: GenerateRequest, route: RouteRequest, placed: str) -> str:
+        """Route (or use ``placed``) and submit; a refusing worker is excluded and the
+        request routed again, up to ``attempts`` times. Returns the accepting worker."""
+        for _attempt in range(self.timeouts.attempts):
+            worker_id = placed or await self._route(route)
+            placed = ""
+            failure = await self._submit(worker_id, gen)
+            if failure is None:
+                return worker_id
+            log.warning("worker %s did not take %s: %s", worker_id, gen.request_id, failure)
+            route.exclude.append(worker_id)
+        raise unavailable("workers", RuntimeError(f"{len(route.exclude)} workers refused"))
+
     async def generate(self, request_id: str, token_ids: list[int], sampling: Sampling,
-                       tenant: str, batch_id: str = "", worker_id: str = ""
+                       tenant: str, batch_id: str = "", worker_id: str = "",
+                       exclude: tuple[str, ...] = (), deadline: float = 0.0
                        ) -> AsyncIterator[GenerateChunkEvent | GenerateDoneEvent]:
         """Run one request on the mesh, yielding its chunks and then its done event.
 
         ``batch_id`` tags an offline batch request (the worker's ``batch_groups`` policy runs
         it below interactive traffic); ``worker_id`` is a placement decided by the batch
         planner, tried first without asking the scheduler (a refusal falls back to routing).
+        ``exclude``: workers not to use (presumed dead by an earlier run of this request);
+        ``deadline``: unix time the request must end by (0 = ``request_s`` from now).
         Cancelling the consumer (client disconnect) aborts the request on its worker.
+        A worker that falls silent before anything was yielded is replaced transparently;
+        after, ``WorkerLost`` is raised.
         """
         placed = worker_id
+        deadline = deadline or time.time() + self.timeouts.request_s
         predicted = await self.predict_length(request_id, len(token_ids))
         hashes = block_hashes(token_ids, tenant)
-        gen = GenerateRequest(
-            request_id=request_id, token_ids=token_ids,
-            sampling=SamplingParams(
-                max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop,
-                ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
-                allowed_token_ids=sampling.allowed_token_ids,
-            ),
-            reply_to=self.bus.subjects.stream_reply(self.edge_id, request_id),
-            tenant=tenant, predicted_output=predicted, batch_id=batch_id, created=time.time(),
-            deadline=time.time() + self.timeouts.request_s,
-        )
-        queue = self.streams.open(request_id)
-        worker_id = ""
-        finished = False
-        try:
-            excluded: list[str] = []
-            for _attempt in range(self.timeouts.attempts):
-                route = RouteRequest(
-                    request_id=request_id, block_hashes=hashes, prompt_tokens=len(token_ids),
-                    max_tokens=sampling.max_tokens, tenant=tenant, predicted_output=predicted,
-                    exclude=excluded,
-                )
-                worker_id = placed or await self._route(route)
+        lost = list(exclude)  # workers presumed dead, never routed to again
+        yielded = False
+        for _placement in range(self.timeouts.attempts):
+            wire_id = f"{request_id}-f{len(lost)}" if lost else request_id
+            gen = GenerateRequest(
+                request_id=wire_id, token_ids=token_ids,
+                sampling=SamplingParams(
+                    max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                    top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop,
+                    ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+                    allowed_token_ids=sampling.allowed_token_ids,
+                ),
+                reply_to=self.bus.subjects.stream_reply(self.edge_id, wire_id),
+                tenant=tenant, predicted_output=predicted, batch_id=batch_id,
+                created=time.time(), deadline=deadline,
+            )
+            route = RouteRequest(
+                request_id=wire_id, block_hashes=hashes, prompt_tokens=len(token_ids),
+                max_tokens=sampling.max_tokens, tenant=tenant, predicted_output=predicted,
+                exclude=list(lost),
+            )
+            queue = self.streams.open(wire_id)
+            worker_id = ""
+            finished = False
+            try:
+                worker_id = await self._place(gen, route, placed)
                 placed = ""
-                failure = await self._submit(worker_id, gen)
-                if failure is None:
-                    break
-                log.warning("worker %s did not take %s: %s", worker_id, request_id, failure)
-                excluded.append(worker_id)
-                worker_id = ""
-            else:
-                raise unavailable("workers", RuntimeError(f"{len(excluded)} workers refused"))
-            deadline = time.monotonic() + self.timeouts.request_s
-            while True:
-                remaining = deadline - time.monotonic()
-                try:
-                    event = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
-                except TimeoutError:
-                    raise ApiError(504, "request timed out", type="timeout",
-                                   code="timeout") from None
-                yield event
-                if isinstance(event, GenerateDoneEvent):
-                    finished = True
-                    return
-        finally:
-            self.streams.close(request_id)
-            if worker_id and not finished:
-                await self._abort(worker_id, request_id)
+                submitted_at = time.monotonic()
+                while True:
+                    remaining = deadline - time.time()
+                    if remaining <= 0:
+                        raise ApiError(504, "request timed out", type="timeout", code="timeout")
+                    try:
+                        event = await asyncio.wait_for(queue.get(), min(remaining, self._tick()))
+                    except TimeoutError:
+                        if not self._silent(worker_id, submitted_at):
+                            continue
+                        self.failovers += 1
+                        log.warning("worker %s went silent with %s in flight (%s)", worker_id,
+                                    wire_id, "tokens sent" if yielded else "retrying elsewhere")
+                        if yielded:
+                            raise WorkerLost(worker_id) from None
+                        lost.append(worker_id)
+                        break
+                    yielded = True
+                    yield event
+                    if isinstance(event, GenerateDoneEvent):
+                        finished = True
+                        return
+            finally:
+                self.streams.close(wire_id)
+                if worker_id and not finished:
+                    await self._abort(worker_id, wire_id)
+        raise unavailable("workers", RuntimeError(f"{len(lost)} workers went silent"))
 
     async def _abort(self, worker_id: str, request_id: str) -> None:
         try:

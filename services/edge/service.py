@@ -41,6 +41,7 @@ class EdgeService:
         self._site: web.TCPSite | None = None
         self._inbox = None
         self.batches: BatchRunner | None = None
+        self.workers: WorkerDirectory | None = None
 
     @property
     def url(self) -> str:
@@ -54,8 +55,12 @@ class EdgeService:
                                 route_s=self.cfg.route_timeout_s,
                                 route_retry_s=self.cfg.route_retry_s,
                                 submit_s=self.cfg.submit_timeout_s,
-                                request_s=self.cfg.request_timeout_s)
-        self.mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict)
+                                request_s=self.cfg.request_timeout_s,
+                                worker_silence_s=self.cfg.worker_silence_s)
+        # Load reports: which workers are alive (failover of their requests, batch planning).
+        self.workers = WorkerDirectory()
+        await bus.subscribe(bus.subjects.load_all, BUS_EVENT, self.workers.on_event)
+        self.mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict, self.workers)
         self._inbox = await bus.subscribe(bus.subjects.stream_inbox(self.edge_id), STREAM_EVENT,
                                           self.mesh.streams.on_event)
         app = build_app(self.cfg, self.mesh, await self._key_resolver(stack))
@@ -94,9 +99,7 @@ class EdgeService:
     async def _start_batches(self, bus: Bus, stack: AsyncExitStack, app: web.Application) -> None:
         """Durable store, live-worker directory and runner of the Batch API."""
         store = await BatchStore.open(bus.nc, self.cfg.subject_prefix)
-        workers = WorkerDirectory()
-        await bus.subscribe(bus.subjects.load_all, BUS_EVENT, workers.on_event)
-        self.batches = BatchRunner(store, self.mesh, self.cfg, workers)
+        self.batches = BatchRunner(store, self.mesh, self.cfg, self.workers)
         # Unwinds before the bus closes: batch tasks stop while NATS is still there.
         stack.push_async_callback(self.batches.aclose)
         add_batch_routes(app, store, self.batches)

@@ -1,4 +1,8 @@
-"""Which workers are alive, from their load reports (the batch planner places on these)."""
+"""Which workers are alive, from their load reports.
+
+The batch planner places on the live ones; the request path (``pipeline``) fails over a
+request whose worker has fallen silent.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ LIVE_WINDOW_S = 1.0
 
 
 class WorkerDirectory:
-    """Last load report time of every worker seen on ``load.*``."""
+    """Last load report time (monotonic seconds) of every worker seen on ``load.*``."""
 
     def __init__(self, live_window_s: float = LIVE_WINDOW_S) -> None:
         self.live_window_s = live_window_s
@@ -22,6 +26,10 @@ class WorkerDirectory:
         """Bus handler for ``load.*``."""
         if isinstance(event, LoadReportEvent):
             self._seen[event.worker_id] = time.monotonic()
+
+    def last_seen(self, worker_id: str) -> float | None:
+        """Monotonic time of the worker's last load report (None: never seen)."""
+        return self._seen.get(worker_id)
 
     def live(self) -> list[str]:
         """Workers that reported recently, sorted."""

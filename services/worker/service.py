@@ -89,6 +89,8 @@ class _Live:
     sampling: SamplingParams | None = None
     prompt: list[int] | None = None
     sample_key: str = ""
+    # GenerateRequest.deadline: unix seconds after which the request is dropped (0 = none).
+    deadline: float = 0.0
 
 
 def sample_key(req: GenerateRequest) -> str:
@@ -180,6 +182,8 @@ class WorkerService:
             return refuse(f"worker queue full ({self.cfg.max_requests})", "overloaded")
         if req.request_id in self.live:  # a retried submit of a request we already run
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
+        if req.deadline and time.time() >= req.deadline:
+            return refuse("request deadline already passed", "timeout")
         try:
             ereq = EngineRequest(
                 request_id=req.request_id, prompt_token_ids=req.token_ids,
@@ -194,7 +198,7 @@ class WorkerService:
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
         detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
-        live = _Live(req.reply_to, req.tenant, detok, sink)
+        live = _Live(req.reply_to, req.tenant, detok, sink, deadline=req.deadline)
         if detok is not None and (req.sampling.logprobs is not None
                                   or req.sampling.allowed_token_ids):
             live.sampling, live.prompt, live.sample_key = req.sampling, req.token_ids, \
@@ -213,6 +217,25 @@ class WorkerService:
         if self.live.pop(request_id, None) is not None:
             self.engine.abort(request_id, time.monotonic())
             FINISHED.labels(self.worker_id, "abort").inc()
+            self._wake.set()
+
+    async def _expire(self, now: float) -> None:
+        """Drop requests past their deadline (the edge has answered 504 by now), each with
+        an error done event, so a queue backed up by overload sheds work nobody awaits."""
+        expired = [(rid, live) for rid, live in self.live.items()
+                   if live.deadline and now >= live.deadline]
+        for rid, live in expired:
+            del self.live[rid]
+            self.engine.abort(rid, time.monotonic())
+            FINISHED.labels(self.worker_id, "deadline").inc()
+            try:
+                await self._deliver(live, GenerateDoneEvent(
+                    request_id=rid, worker_id=self.worker_id, finish_reason="error",
+                    error=ErrorInfo("request deadline exceeded", "timeout", retriable=True)))
+            except Exception as exc:  # best effort: NATS may be down
+                log.debug("deadline notice for %s not sent: %s", rid, exc)
+        if expired:
+            log.warning("dropped %d requests past their deadline", len(expired))
             self._wake.set()
 
     async def _resync(self) -> None:
@@ -318,6 +341,7 @@ class WorkerService:
 
     async def _load_loop(self) -> None:
         while True:
+            await self._expire(time.time())
             report = load_report(self.worker_id, self.engine.stats(time.monotonic()),
                                  time.time(), self.cfg.backend, self.cfg.model, self.kv_seq)
             await self.bus.publish(self.bus.subjects.load(self.worker_id), report)
