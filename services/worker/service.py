@@ -26,6 +26,8 @@ from prometheus_client import Counter, Histogram
 
 from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
 from services.worker.config import WorkerConfig
+from services.worker.engine.hf_engine import HfEngine, HfEngineConfig
+from services.worker.engine.hf_model import missing_dependencies as hf_missing
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from services.worker.engine.types import EngineRequest, StepOutput
 from services.worker.engine.vllm_engine import (
@@ -115,15 +117,17 @@ class WorkerService:
     name = "worker"
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        if cfg.backend not in ("sim", "vllm"):
+        if cfg.backend not in ("sim", "vllm", "hf"):
             raise SystemExit(f"backend {cfg.backend!r} is not available in this build; "
-                             "use sim or vllm")
+                             "use sim, hf or vllm")
         if cfg.backend == "vllm" and (why := missing_dependencies()):
+            raise SystemExit(why)
+        if cfg.backend == "hf" and (why := hf_missing()):
             raise SystemExit(why)
         self.cfg = cfg
         self.worker_id = cfg.resolved_worker_id()
         self.cost = CostModel.load(cfg.profile)
-        self.engine: SimEngine | VllmEngine | None = None
+        self.engine: SimEngine | VllmEngine | HfEngine | None = None
         self.tok: TextTokenizer | None = None
         self.bus: Bus | None = None
         self.live: dict[str, _Live] = {}
@@ -191,7 +195,7 @@ class WorkerService:
                 tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
                 sample_key=sample_key(req),
             )
-            if isinstance(self.engine, VllmEngine):
+            if isinstance(self.engine, VllmEngine | HfEngine):
                 self.engine.add(ereq, time.monotonic(), req.sampling)
         except ValueError as exc:
             REFUSED.labels(self.worker_id, "bad_request").inc()
@@ -359,6 +363,14 @@ class WorkerService:
             except VllmUnavailable as exc:
                 raise SystemExit(str(exc)) from exc
             self.engine = engine
+        elif self.cfg.backend == "hf":  # real text: the engine detokenizes, as vllm does
+            loop = asyncio.get_running_loop()
+            tok = await loop.run_in_executor(None, TextTokenizer.load,
+                                             self.cfg.tokenizer_path or None)
+            engine = HfEngine(HfEngineConfig(), policy, tok)
+            stack.callback(engine.close)
+            await loop.run_in_executor(None, engine.load)
+            self.engine = engine
         else:
             loop = asyncio.get_running_loop()
             self.tok = await loop.run_in_executor(None, TextTokenizer.load,
@@ -374,7 +386,7 @@ class WorkerService:
         if self.bus is not None:
             await self._serve_bus(tasks)
         engine_loop = (self.engine.run(self._emit, self._publish_kv)
-                       if isinstance(self.engine, VllmEngine) else self._engine_loop())
+                       if isinstance(self.engine, VllmEngine | HfEngine) else self._engine_loop())
         tasks.spawn(engine_loop, f"worker-{self.worker_id}-engine")
         if self.cfg.http_port:
             from services.worker.http import serve_http  # aiohttp app, only when asked for

