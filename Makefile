@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit e2e-browser up compare clean
+.PHONY: setup demo test test-unit e2e-browser up compare chaos soak clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,22 @@ test-unit: setup
 e2e-browser: setup
 	PREFIXMESH_DASHBOARD_PNG=docs/dashboard.png $(PY) -m pytest -q \
 		tests/e2e/test_observability.py -k dashboard
+
+# Chaos (part of `make test` too): 4 sim workers under load; SIGKILL a worker, then the
+# active scheduler, then restart nats-server, then redis-server. Figures in
+# docs/reliability.md; CHAOS_LOAD_S sets the loaded phase (seconds).
+CHAOS_LOAD_S ?= 60
+chaos: setup
+	mkdir -p results
+	CHAOS_LOAD_S=$(CHAOS_LOAD_S) CHAOS_JSON=results/chaos.json $(PY) -m pytest -q -s \
+		tests/e2e/test_chaos.py
+
+# Soak: 30 min of `prefixmesh bench` at SOAK_RATE (80 % of measured capacity), RSS of every
+# service and the prefix-tree size sampled every 10 s into results/soak.json.
+SOAK_RATE ?= 6
+SOAK_S    ?= 1800
+soak: setup
+	$(PY) -m services.soak --rate $(SOAK_RATE) --duration $(SOAK_S) --json results/soak.json
 
 up: setup
 	$(VENV)/bin/prefixmesh up

@@ -43,6 +43,8 @@ class MeshOptions:
     """What ``prefixmesh up`` runs."""
 
     workers: int = 4
+    # Scheduler instances: one active, the others standing by on the Redis lease.
+    schedulers: int = 1
     backend: str = "sim"
     policy: str = "e2"
     local_policy: str = "prefix_fair"
@@ -147,7 +149,9 @@ class LocalMesh:
         self._spawn("metrics", "metrics", PM_HOST=o.host, PM_PORT=str(o.metrics_port))
         self._spawn("tokenizer", "tokenizer")
         self._spawn("predictor", "predictor")
-        self._spawn("scheduler", "scheduler", PM_POLICY=o.policy, PM_PROFILE=o.profile)
+        for i in range(o.schedulers):
+            self._spawn("scheduler", "scheduler" if i == 0 else f"scheduler-{i}",
+                        PM_POLICY=o.policy, PM_PROFILE=o.profile)
         for i in range(o.workers):
             self._spawn("worker", f"worker-{i}", PM_WORKER_ID=f"w{i}", PM_BACKEND=o.backend,
                         PM_PROFILE=o.profile, PM_LOCAL_POLICY=o.local_policy)

@@ -66,7 +66,9 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """In the child before exec: get SIGTERM if the parent dies (Linux), so a killed
-    supervisor leaves no orphans behind."""
+    supervisor leaves no orphans behind. The "parent" is the starting *thread*: start
+    long-lived children from a thread that outlives them (not from an executor's worker
+    thread, which exits when its pool shuts down)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: best effort only

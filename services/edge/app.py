@@ -55,6 +55,8 @@ TOKENS = Counter("prefixmesh_edge_tokens_total", "tokens by kind (prompt, cached
                  ["kind", "tenant"])
 ERRORS = Counter("prefixmesh_edge_errors_total", "HTTP requests answered with an error status",
                  ["route", "status"])
+# Status label of requests whose client disconnected before the answer (nginx's 499).
+CLIENT_CLOSED = 499
 # Tenant label of requests that carry none (no API key configured).
 DEFAULT_TENANT_LABEL = "default"
 
@@ -72,6 +74,9 @@ async def errors_middleware(request: web.Request,
         else "unmatched"
     try:
         resp = await handler(request)
+    except asyncio.CancelledError:  # the client went away (its request was aborted)
+        REQUESTS.labels(route, str(CLIENT_CLOSED)).inc()
+        raise
     except ApiError as err:
         resp = error_response(err)
     except web.HTTPRequestEntityTooLarge as exc:

@@ -68,10 +68,10 @@ async def mesh(nats_server: str, redis_server: str, prefix: str, tmp_path):
                           request_timeout_s=60)
     try:
         await eventually(lambda: set(watch.last) == {"wa", "wb"}, timeout=30)
-        async with running(sched), running(EdgeService(edge_cfg)) as edge:
-            async with aiohttp.ClientSession() as session:
-                await _until_routable(session, edge.url)
-                yield edge, session, workers, watch
+        async with running(sched), running(EdgeService(edge_cfg)) as edge, \
+                aiohttp.ClientSession() as session:
+            await _until_routable(session, edge.url)
+            yield edge, session, workers, watch
     finally:
         await bus.close()
         for p in workers.values():
@@ -142,7 +142,7 @@ async def test_stream_with_tokens_sent_ends_with_error_event(mesh) -> None:
 
 
 async def test_new_requests_avoid_the_dead_worker(mesh) -> None:
-    edge, session, workers, watch = mesh
+    edge, session, workers, _watch = mesh
     workers["wa"].signal(signal.SIGKILL)
     # Right after the kill the scheduler may still route to wa: the edge must fail over.
     for seed in range(4):

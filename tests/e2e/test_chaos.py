@@ -1,0 +1,274 @@
+"""Chaos: faults injected mid-load into the whole mesh as processes (DESIGN.md section 12).
+
+4 sim workers, an active and a standby scheduler, and this test's own nats-server (with a
+JetStream dir) and redis-server on free ports. A steady asyncio client sends a mix of
+streamed and non-streamed requests while, one after another, a worker is SIGKILLed, the
+active scheduler is SIGKILLed, nats-server is restarted on the same port and then
+redis-server is. Every request must end completed or with an explicit retriable error
+(429/503/504, or an error event in its stream), none may exceed its deadline, and the
+client's count per status must equal the edge's own ``prefixmesh_edge_requests_total``.
+After the faults, a final burst must succeed in full: every service recovered on its own.
+
+``CHAOS_LOAD_S`` (default 60) sets the length of the loaded phase; ``CHAOS_JSON`` names a
+file for the figures (docs/reliability.md reports them; ``make chaos`` writes one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from services.up import LocalMesh, MeshOptions
+from shared.servers import ManagedProcess, free_port, start_nats, start_redis
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
+
+MODEL = "smollm2-135m-instruct"
+LOAD_S = float(os.environ.get("CHAOS_LOAD_S", "60"))
+RATE_PER_S = 6.0  # request arrivals per second (steady, jittered)
+# Edge request deadline (seconds) and how far past it a client answer may come.
+DEADLINE_S = 15.0
+DEADLINE_SLACK_S = 3.0
+# Fault times, as fractions of the loaded phase.
+FAULTS = (("kill worker", 0.12), ("kill active scheduler", 0.3),
+          ("restart nats-server", 0.5), ("restart redis-server", 0.7))
+RETRIABLE_STATUSES = {429, 503, 504}
+RETRIABLE_CODES = {"worker_lost", "service_unavailable", "worker_error", "timeout"}
+FINAL_BURST = 12
+
+
+@dataclass
+class Outcome:
+    """What the client saw of one request."""
+
+    stream: bool
+    status: int = 0  # 0: no HTTP answer at all
+    took_s: float = 0.0
+    completed: bool = False
+    error_code: str = ""  # of an error body or an error event
+    problem: str = ""  # anything that breaks the contract
+
+
+@dataclass
+class Servers:
+    """nats-server and redis-server of this test, restartable on their ports."""
+
+    root: Path
+    nats_port: int = field(default_factory=free_port)
+    redis_port: int = field(default_factory=free_port)
+    nats: ManagedProcess | None = None
+    redis: ManagedProcess | None = None
+
+    def start_nats(self) -> str:
+        self.nats, url = start_nats(self.nats_port, self.root / "jetstream",
+                                    self.root / "nats-server.log")
+        return url
+
+    def start_redis(self) -> str:
+        self.redis, url = start_redis(self.redis_port, self.root,
+                                      self.root / "redis-server.log")
+        return url
+
+    def stop(self) -> None:
+        for p in (self.nats, self.redis):
+            if p is not None:
+                p.stop()
+
+
+def _body(rng: random.Random, stream: bool) -> dict:
+    """A completion with a prompt from one of a few shared prefixes (token ids)."""
+    family = rng.randrange(8)
+    prompt = [200 + family * 97 + i for i in range(64)] + [rng.randrange(100, 40000)
+                                                         for _ in range(rng.randrange(8, 32))]
+    return {"model": MODEL, "prompt": prompt, "max_tokens": rng.choice((16, 32, 64)),
+            "ignore_eos": True, "stream": stream}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Outcome:
+    out = Outcome(stream=body["stream"])
+    started = time.monotonic()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            out.status = r.status
+            if not body["stream"] or r.status != 200:
+                data = await r.json()
+                if r.status == 200:
+                    tokens = data["usage"]["completion_tokens"]
+                    out.completed = tokens == body["max_tokens"]
+                    if not out.completed:
+                        out.problem = f"short answer: {tokens} tokens"
+                else:
+                    out.error_code = data["error"]["code"] or ""
+                    if r.status not in RETRIABLE_STATUSES:
+                        out.problem = f"status {r.status}: {data['error']['message']}"
+            else:
+                await _read_stream(r, body, out)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        out.problem = f"no answer: {type(exc).__name__} {exc}"
+    out.took_s = time.monotonic() - started
+    if out.took_s > DEADLINE_S + DEADLINE_SLACK_S:
+        out.problem = out.problem or f"took {out.took_s:.1f}s, deadline {DEADLINE_S}s"
+    return out
+
+
+async def _read_stream(r: aiohttp.ClientResponse, body: dict, out: Outcome) -> None:
+    """An SSE stream must end with [DONE] after a finish_reason or an error event."""
+    tokens, finished, done = 0, False, False
+    async for line in r.content:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            done = True
+            continue  # read on to the end, so the edge has finished the request too
+        event = json.loads(data)
+        if "error" in event:
+            out.error_code = event["error"]["code"] or ""
+            if out.error_code not in RETRIABLE_CODES:
+                out.problem = f"error event {event['error']}"
+            continue
+        for choice in event["choices"]:
+            tokens += 1 if choice["text"] else 0
+            finished = finished or choice["finish_reason"] is not None
+    out.completed = finished and not out.error_code
+    if not done:
+        out.problem = "stream ended without [DONE]"
+    elif not finished and not out.error_code:
+        out.problem = "stream ended with neither a finish_reason nor an error event"
+
+
+def _edge_counts(url: str) -> Counter:
+    """The edge's own count of /v1/completions answers, by status."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    counts: Counter = Counter()
+    pattern = r'prefixmesh_edge_requests_total\{route="/v1/completions",status="(\d+)"\} (\S+)'
+    for status, value in re.findall(pattern, text):
+        counts[int(status)] += int(float(value))
+    return counts
+
+
+def _active_scheduler(mesh: LocalMesh) -> ManagedProcess | None:
+    for p in mesh.services:
+        if p.name.startswith("scheduler") and p.alive():
+            port = mesh.metrics_ports[p.name]
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                              timeout=2).read().decode()
+            except OSError:
+                continue
+            if re.search(r"^prefixmesh_scheduler_active 1(\.0)?$", text, re.MULTILINE):
+                return p
+    return None
+
+
+async def _inject(name: str, mesh: LocalMesh, servers: Servers, log: list[dict],
+                  t0: float) -> None:
+    """One fault; what was done is appended to ``log``."""
+    loop = asyncio.get_running_loop()
+    entry = {"fault": name, "at_s": round(time.monotonic() - t0, 1)}
+    if name == "kill worker":
+        victim = next(p for p in mesh.services if p.name == "worker-1")
+        victim.signal(signal.SIGKILL)
+        entry["pid"] = victim.pid
+    elif name == "kill active scheduler":
+        active = await loop.run_in_executor(None, _active_scheduler, mesh)
+        assert active is not None, "no scheduler reports itself active"
+        active.signal(signal.SIGKILL)
+        entry.update(pid=active.pid, name=active.name)
+    # Restarts block the client's loop for a moment, on purpose: a server started from an
+    # executor thread would get SIGTERM when that thread exits (PR_SET_PDEATHSIG follows
+    # the parent thread, shared/servers.py).
+    elif name == "restart nats-server":
+        servers.nats.stop()
+        servers.start_nats()
+    elif name == "restart redis-server":
+        servers.redis.stop()
+        servers.start_redis()
+    entry["done_at_s"] = round(time.monotonic() - t0, 1)
+    log.append(entry)
+
+
+async def _load(url: str, mesh: LocalMesh, servers: Servers) -> tuple[list[Outcome], list[dict]]:
+    rng = random.Random(7)
+    timeout = aiohttp.ClientTimeout(total=DEADLINE_S + DEADLINE_SLACK_S + 5)
+    faults: list[dict] = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.monotonic()
+        pending: list[asyncio.Task] = []
+        schedule = list(FAULTS)
+        fault_tasks: list[asyncio.Task] = []
+        while (now := time.monotonic() - t0) < LOAD_S:
+            if schedule and now >= schedule[0][1] * LOAD_S:
+                name, _ = schedule.pop(0)
+                fault_tasks.append(asyncio.create_task(_inject(name, mesh, servers, faults, t0)))
+            body = _body(rng, stream=rng.random() < 0.4)
+            pending.append(asyncio.create_task(_one(session, url, body)))
+            await asyncio.sleep(rng.expovariate(RATE_PER_S))
+        await asyncio.gather(*fault_tasks)
+        outcomes = list(await asyncio.gather(*pending))
+        # Recovery: with every fault over, a burst must succeed in full.
+        await asyncio.sleep(3)
+        final = await asyncio.gather(*(_one(session, url, _body(rng, stream=i % 2 == 0))
+                                       for i in range(FINAL_BURST)))
+    return outcomes + list(final), faults
+
+
+def test_chaos(tmp_path: Path) -> None:
+    servers = Servers(tmp_path)
+    nats_url, redis_url = servers.start_nats(), servers.start_redis()
+    opts = MeshOptions(workers=4, schedulers=2, port=0, metrics_port=0, nats_url=nats_url,
+                       redis_url=redis_url, subject_prefix="chaos", log_dir=tmp_path / "logs",
+                       log_level="WARNING",
+                       extra_env={"PM_REQUEST_TIMEOUT_S": str(DEADLINE_S)})
+    try:
+        with LocalMesh(opts) as mesh:
+            assert _active_scheduler(mesh) is not None
+            started = time.monotonic()
+            outcomes, faults = asyncio.run(_load(mesh.url, mesh, servers))
+            wall = time.monotonic() - started
+            edge = _edge_counts(mesh.url)
+            client = Counter(o.status for o in outcomes)
+            for _ in range(50):  # the edge counts an answer just after its last byte
+                if edge == client:
+                    break
+                time.sleep(0.1)
+                edge = _edge_counts(mesh.url)
+            alive = {p.name: p.alive() for p in mesh.services}
+    finally:
+        servers.stop()
+    final = outcomes[-FINAL_BURST:]
+    summary = {
+        "load_s": LOAD_S, "rate_per_s": RATE_PER_S, "deadline_s": DEADLINE_S,
+        "wall_s": round(wall, 1), "faults": faults, "requests": len(outcomes),
+        "streamed": sum(o.stream for o in outcomes),
+        "completed": sum(o.completed for o in outcomes),
+        "retriable_errors": Counter(f"{o.status}:{o.error_code}" for o in outcomes
+                                    if not o.completed and not o.problem),
+        "problems": [o.problem for o in outcomes if o.problem],
+        "client_by_status": dict(sorted(client.items())),
+        "edge_by_status": dict(sorted(edge.items())),
+        "max_took_s": round(max(o.took_s for o in outcomes), 2),
+        "final_burst_completed": sum(o.completed for o in final),
+        "services_alive": alive,
+    }
+    print(json.dumps(summary, indent=2))
+    if path := os.environ.get("CHAOS_JSON"):
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    assert len(faults) == len(FAULTS)
+    assert summary["problems"] == []
+    assert client == edge, "client and edge disagree on what happened"
+    assert summary["final_burst_completed"] == FINAL_BURST
+    dead = {n for n, ok in alive.items() if not ok}
+    assert dead == {"worker-1", faults[1]["name"]}
