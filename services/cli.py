@@ -122,6 +122,12 @@ def _bench_scheduler(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _predictor(argv: list[str]) -> int:
+    from services.predictor.train import main as predictor_main
+
+    return predictor_main(argv)
+
+
 # Verbs whose module owns its argument parser: ``prefixmesh VERB --help`` is theirs.
 DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "workloads": ("list the workloads; --stats prints their generated statistics",
@@ -133,6 +139,7 @@ DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
                "vLLM routes) for third-party routers", _worker),
     "compare": ("prefixmesh vs sglang-router / vllm-router in front of the same simulated "
                 "GPUs", _compare),
+    "predictor": ("train / evaluate TRAIL's output-length predictor ([ml] extra)", _predictor),
     "bench-scheduler": ("time the global policy's routing decisions (add --live for the "
                         "scheduler service over NATS)", _bench_scheduler),
 }

@@ -1,0 +1,50 @@
+"""The predictor's torch parts ([ml] extra): encoder shapes, head/probe training, artifacts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from services.predictor.models import (  # noqa: E402
+    HEAD_HIDDEN,
+    PROBE_HIDDEN,
+    PredictorArtifact,
+    PromptEncoder,
+    mlp,
+    predict_proba,
+    train_classifier,
+)
+from services.predictor.trail import LengthBins, expected_length  # noqa: E402
+
+pytestmark = pytest.mark.ml
+
+
+@pytest.mark.parametrize("mode", ["full", "static"])
+def test_encoder_embeds_texts(mode: str) -> None:
+    enc = PromptEncoder(mode=mode, threads=1)
+    out = enc.encode(["Write a poem about the sea.", "2+2?", ""])
+    assert out.shape == (3, 384) and out.dtype == np.float32
+    assert np.isfinite(out).all()
+    assert not np.allclose(out[0], out[1])
+
+
+def test_probe_learns_a_separable_rule_and_round_trips(tmp_path: Path) -> None:
+    bins = LengthBins.make(4, 400)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(800, 16)).astype(np.float32) * 5 + 3  # offset: standardised inside
+    y = (x[:, 0] > 3).astype(int) * 3  # bin 0 or bin 3
+    probe = train_classifier(x, y, mlp(16, PROBE_HIDDEN, 4), epochs=30, seed=0)
+    p = predict_proba(probe, x)
+    assert (p.argmax(1) == y).mean() > 0.95
+    head = train_classifier(x, y, mlp(16, HEAD_HIDDEN, 4), epochs=2, seed=0)
+    art = PredictorArtifact(bins, 16, 16, 7, 8.0, {"seed": 0}, {}, head, probe)
+    art.save(tmp_path / "a")
+    back = PredictorArtifact.load(tmp_path / "a")
+    assert back.layer == 7 and back.bins == bins and back.tokens_per_update == 8.0
+    np.testing.assert_allclose(predict_proba(back.probe, x), p, rtol=1e-5, atol=1e-6)
+    assert expected_length(p[:1], bins).shape == (1,)
