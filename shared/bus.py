@@ -166,4 +166,7 @@ class Bus:
             await self.nc.drain()
         except Exception as exc:
             log.debug("drain failed (%s); closing", exc)
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except Exception as exc2:  # NATS gone (e.g. "handler is closed"): nothing to flush
+                log.debug("close failed (%s); connection abandoned", exc2)
