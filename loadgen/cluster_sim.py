@@ -151,7 +151,7 @@ class ClusterSim:
                 engine = self.engines[w]
                 plan, self.plans[w] = self.plans[w], None
                 steps += 1
-                for out in engine.finish_step(plan, now):
+                for out in engine.finish_step(plan, now, finished_only=True):
                     if not out.finished:
                         continue
                     r = out.request

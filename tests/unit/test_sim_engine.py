@@ -529,3 +529,25 @@ def test_prefix_fair_policy_drives_the_engine(cost: CostModel) -> None:
     hot, cold = d.outputs["hot"][0].request, d.outputs["cold"][0].request
     assert hot.first_scheduled < cold.first_scheduled  # type: ignore[operator]
     assert hot.num_cached_tokens == 960
+
+
+def test_finished_only_outputs_change_nothing_but_the_outputs(cost: CostModel) -> None:
+    """The cluster simulator's mode: same steps, timings and events; only finished outputs."""
+    runs = []
+    for finished_only in (False, True):
+        engine = SimEngine(cost, config=SimEngineConfig(max_num_seqs=4))
+        for i in range(6):
+            engine.add(_req(f"r{i}", _prompt(0, 40) + _prompt(1000 * i, 200), out=5 + i), 0.0)
+        now, outs, durations, events = 0.0, [], [], []
+        while (plan := engine.plan_step(now)) is not None:
+            now += plan.duration
+            durations.append(plan.duration)
+            outs.append(engine.finish_step(plan, now, finished_only=finished_only))
+            events += engine.take_kv_events()
+        runs.append((outs, durations, events))
+    (all_outs, d1, e1), (fin_outs, d2, e2) = runs
+    assert d1 == d2 and e1 == e2
+    assert any(not o.finished for step in all_outs for o in step)
+    assert [[o.request_id for o in s if o.finished] for s in all_outs] == [
+        [o.request_id for o in s] for s in fin_outs]
+    assert all(o.finished for step in fin_outs for o in step)

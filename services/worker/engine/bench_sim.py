@@ -3,6 +3,9 @@
 Not a test (DESIGN.md s.11 / STYLE habit 11): run on purpose,
 ``python -m services.worker.engine.bench_sim [--json OUT]``. Keeps ``--running`` requests
 in decode (long outputs, refilled as they finish) and times plan_step + finish_step.
+By default ``finish_step`` runs as the cluster simulator calls it (outputs of finished
+requests only); ``--all-outputs`` times the live worker's mode (an output per running
+request per step, for streaming).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def _request(i: int, prompt_tokens: int) -> EngineRequest:
     return EngineRequest(f"bench-{i}", prompt, max_tokens=OUTPUT_TOKENS, output_len=OUTPUT_TOKENS)
 
 
-def run(profile: str, running: int, steps: int, prompt_tokens: int) -> dict:
+def run(profile: str, running: int, steps: int, prompt_tokens: int,
+        finished_only: bool = True) -> dict:
     """Time ``steps`` steps with ``running`` requests kept in the batch; the result record."""
     engine = SimEngine(CostModel.load(profile))
     now = 0.0
@@ -61,7 +65,7 @@ def run(profile: str, running: int, steps: int, prompt_tokens: int) -> dict:
         now += plan.duration
         decode_tokens += plan.decode_tokens
         all_tokens += plan.total_tokens
-        for out in engine.finish_step(plan, now):
+        for out in engine.finish_step(plan, now, finished_only):
             if out.finished:
                 done += 1
                 engine.add(_request(issued, prompt_tokens), now)
@@ -78,6 +82,7 @@ def run(profile: str, running: int, steps: int, prompt_tokens: int) -> dict:
         "simulated_s": now,
         "wall_s": elapsed,
         "profile": profile,
+        "outputs": "finished" if finished_only else "all",
     }
 
 
@@ -89,10 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="timed steps")
     parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
     parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed runs")
+    parser.add_argument("--all-outputs", action="store_true",
+                        help="build every step output, as the live worker does")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args(argv)
     runs = [
-        run(args.profile, args.running, args.steps, args.prompt_tokens)
+        run(args.profile, args.running, args.steps, args.prompt_tokens, not args.all_outputs)
         for _ in range(max(args.repeat, 1))
     ]
     rates = sorted(r["steps_per_s"] for r in runs)

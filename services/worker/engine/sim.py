@@ -353,8 +353,15 @@ class SimEngine:
         plan.prefill_tokens += n
         return n
 
-    def finish_step(self, plan: StepPlan, now: float) -> list[StepOutput]:
-        """Apply a planned step's results: KV computed, tokens sampled, requests finished."""
+    def finish_step(
+        self, plan: StepPlan, now: float, finished_only: bool = False
+    ) -> list[StepOutput]:
+        """Apply a planned step's results: KV computed, tokens sampled, requests finished.
+
+        Returns one output per scheduled request, or with ``finished_only`` only those of
+        requests that finished: the cluster simulator reads nothing else, and building an
+        output per running request per step is most of a step's cost there.
+        """
         if plan is not self._inflight:
             raise RuntimeError("finish_step() got a plan that is not the one in flight")
         self._inflight = None
@@ -362,13 +369,16 @@ class SimEngine:
         npool = len(pool)
         outputs: list[StepOutput] = []
         emit = outputs.append
+        every = not finished_only
         done = False
         for req, (n, _) in zip(plan.requests, plan.batch, strict=True):
             c = req.num_computed_tokens = req.num_computed_tokens + n
             if c // bs > req.num_stored_blocks:
                 self._store_computed(req)
             if c < req.num_tokens:  # non-final prefill chunk
-                emit(StepOutput(req.request_id, [], False, None, req.num_cached_tokens, False, req))
+                if every:
+                    emit(StepOutput(req.request_id, [], False, None, req.num_cached_tokens,
+                                    False, req))
                 continue
             out = req.output_token_ids
             k = len(out)
@@ -379,11 +389,9 @@ class SimEngine:
             if first:
                 req.first_token_time = now
             if k + 1 < req.target_output_tokens:
-                emit(
-                    StepOutput(
-                        req.request_id, [tok], False, None, req.num_cached_tokens, first, req
-                    )
-                )
+                if every:
+                    emit(StepOutput(req.request_id, [tok], False, None, req.num_cached_tokens,
+                                    first, req))
                 continue
             reason = FINISH_LENGTH if k + 1 >= req.max_tokens else FINISH_STOP
             self._finish(req, reason, now)
