@@ -151,12 +151,16 @@ class PrefixTree:
         block_size: int = BLOCK_SIZE,
     ) -> None:
         self.block_size = block_size
-        self.max_nodes = max(max_nodes, 1)
-        self.max_blocks = max(max_tokens // block_size, 1)
-        self._hard_nodes = self.max_nodes + self.max_nodes // BUDGET_SLACK
-        self._hard_blocks = self.max_blocks + self.max_blocks // BUDGET_SLACK
+        self.set_budget(max_nodes, max_tokens)
         self.root = Node((), 0, None)
         self._init_state()
+
+    def set_budget(self, max_nodes: int, max_tokens: int) -> None:
+        """Set the node/token budget (a smaller one takes effect at the next ``maintain``)."""
+        self.max_nodes = max(max_nodes, 1)
+        self.max_blocks = max(max_tokens // self.block_size, 1)
+        self._hard_nodes = self.max_nodes + self.max_nodes // BUDGET_SLACK
+        self._hard_blocks = self.max_blocks + self.max_blocks // BUDGET_SLACK
 
     def _init_state(self) -> None:
         self._dismantle()

@@ -64,7 +64,7 @@ REPLICAS = Counter("prefixmesh_scheduler_replicas_total",
                    "hot-prefix replicas changed by the background task, by change", ["change"])
 # E2's decision kinds, exported at 0 from the start so dashboards and alerts see every
 # series before the first decision of that kind (see policies/e2.py for their meaning).
-E2_DECISION_KINDS = ("exploit", "explore", "pd_balance", "rebalance", "replicate")
+E2_DECISION_KINDS = ("exploit", "explore", "affinity", "pd_balance", "rebalance", "replicate")
 
 
 @dataclass(frozen=True)

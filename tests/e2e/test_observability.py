@@ -208,7 +208,7 @@ def test_cluster_view_shows_workers_decisions_and_hot_prefixes(mesh: LocalMesh) 
     s = view["scheduler"]
     assert s["policy"] == "e2" and s["tree_nodes"] > 0 and s["workers"] == WORKERS
     assert sum(s["decisions"].values()) >= REQUESTS_PER_ROUND
-    assert set(s["decisions"]) <= E2_KINDS | {"none"}
+    assert set(s["decisions"]) <= E2_KINDS | {"affinity", "none"}
     top = s["hot_prefixes"][0]
     # The shared prefixes are the hottest: PREFIX_TOKENS long (whole blocks), cached somewhere.
     assert top["tokens"] == PREFIX_TOKENS

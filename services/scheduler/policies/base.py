@@ -40,7 +40,7 @@ class Decision(msgspec.Struct, frozen=True):
     """The chosen worker and why (a Struct: built on every decision, so it must be cheap)."""
 
     worker_id: str
-    # "exploit" | "explore" | "pd_balance" | "rebalance" | "replicate" | a baseline's name.
+    # "exploit" | "explore" | "affinity" | "pd_balance" | "rebalance" | "replicate" | a baseline's name.
     kind: str
     # Prompt tokens the policy believes are cached on the chosen worker.
     matched_tokens: int = 0
@@ -96,9 +96,30 @@ class PolicyConfig:
     shrink_ratio: float = 0.5
 
     # ---------------------------------------------------------------- prefix tree budget
-    # Hard bounds on the global tree (nodes; tokens), LRU-pruned beyond them.
+    # Hard bounds on the global tree (nodes; tokens), LRU-pruned beyond them. These are
+    # floors: E2 raises both as workers register (see tree_budget_factor).
     tree_max_nodes: int = 262_144
     tree_max_tokens: int = 8_388_608
+    # E2 sizes its tree to max(tree_max_tokens, this x the sum of the registered workers'
+    # KV capacity in tokens), and the node bound in proportion, so the tree always
+    # remembers more than the cluster caches (a tree smaller than the cluster's cache prunes
+    # prefixes that workers still hold and E2 explores instead of exploiting them). 2x
+    # leaves room for prefixes evicted everywhere but still used in the window (affinity).
+    tree_budget_factor: float = 2.0
+
+    # ---------------------------------------------------------------- E2 affinity
+    # When a request explores (no eligible worker caches enough of its prompt) but the
+    # tree's window counts show workers that recently served its prefix (evicted since),
+    # the cheapest of those gets it ("affinity") if its load cost L + M + P exceeds the
+    # cheapest worker's by at most this multiple of PT(the prefix): the extra queueing it
+    # accepts is bounded by the prefill a later hit on that worker saves. Keeps each
+    # prefix's traffic on few workers after eviction, so working sets larger than the
+    # cluster's cache stay partitioned (videoqa past its knee). 0 turns it off.
+    affinity_prefill_slack: float = 0.5
+    # On a saturated cluster (the cheapest worker's windowed work L >= H: every GPU busy
+    # all the time, queues growing), affinity may also cost up to this multiple of the
+    # cheapest worker's cost: throughput, i.e. prefill saved, is then what bounds latency.
+    affinity_saturated_ratio: float = 1.25
 
     # ---------------------------------------------------------------- baselines
     # prefix_hash: tokens of the prompt head that pick the ring position (the block hash at

@@ -78,6 +78,8 @@ class E2Policy:
         self._rebalance = math.isfinite(config.th_bal)  # th_bal = inf turns rebalancing off
         self._pd_ratio = config.pd_max_cost_ratio
         self._default_out = float(config.default_output_tokens)
+        self._affinity = config.affinity_prefill_slack
+        self._affinity_sat = config.affinity_saturated_ratio
 
     # ------------------------------------------------------------------ membership
 
@@ -101,6 +103,22 @@ class E2Policy:
             self.tree.add_worker(worker_id)
         else:
             ws.capacity_blocks = cap // self.block
+        self._size_tree()
+
+    def _size_tree(self) -> None:
+        """Tree budget = max(configured, tree_budget_factor x the cluster's KV capacity).
+
+        A budget below what the workers cache makes the tree prune prefixes they still
+        hold (loogle at 64+ A6000 GPUs with the 8.4M-token default), so E2 stops seeing
+        them. The node bound grows in proportion to the token bound.
+        """
+        cfg = self.cfg
+        cluster = sum(ws.capacity_blocks for ws in self._ws.values()) * self.block
+        tokens = max(cfg.tree_max_tokens, int(cfg.tree_budget_factor * cluster))
+        nodes = cfg.tree_max_nodes
+        if tokens > cfg.tree_max_tokens > 0:
+            nodes = int(nodes * tokens / cfg.tree_max_tokens)
+        self.tree.set_budget(nodes, tokens)
 
     def remove_worker(self, worker_id: str, now: float) -> None:
         """Forget a worker: out of routing, out of every caching set and replica set."""
@@ -113,6 +131,7 @@ class E2Policy:
         self._decode_heavy.discard(worker_id)
         self.tree.clear_worker(worker_id, forget=True)
         self.replicator.forget_worker(worker_id)
+        self._size_tree()
 
     # ------------------------------------------------------------------ routing
 
@@ -240,6 +259,10 @@ class E2Policy:
         cached = [get(ws.id, 0) for ws in order] if depths else [0] * len(order)
         i, best_cost = self.price.cheapest(order, cached, prompt)
         best, got = order[i], cached[i]
+        if self._affinity > 0 and m:
+            home = self._affinity_home(workers, node, m, prompt, depths, best, best_cost)
+            if home is not None:
+                return home, "affinity", get(home.id, 0)
         pd = self._pd_candidate(workers, now) if self._decode_heavy else None
         if pd is not None:
             pd_got = get(pd.id, 0)
@@ -247,6 +270,55 @@ class E2Policy:
                 pd.pd_used = True
                 return pd, "pd_balance", pd_got
         return best, "explore", got
+
+    def _affinity_home(
+        self,
+        workers: Mapping[str, WorkerState],
+        node: Node,
+        m: int,
+        prompt: int,
+        depths: Mapping[str, int],
+        best: WorkerState,
+        best_cost: float,
+    ) -> WorkerState | None:
+        """The worker that recently served R's prefix, if it is nearly as cheap as ``best``.
+
+        The prefix is the deepest matched node with window counts whose matched path
+        (``m`` blocks in ``node``, then ancestors) covers at least half the prompt (were it cached, R would be an exploit); its home is the
+        cheapest worker with requests through it in the window. None: no such node or
+        worker, ``best`` is already one of them, or the home costs more than ``best_cost``
+        + ``affinity_prefill_slack`` x PT(the prefix) (saturated cluster: or more than
+        ``affinity_saturated_ratio`` x ``best_cost``) while it is busy (``L`` above
+        ``rebalance_min_util`` x H; below that nothing queues there, as for rebalancing).
+        """
+        root = self.tree.root
+        half = prompt / (2 * self.block)  # blocks
+        end = m  # matched blocks through ``node``
+        while node is not root and end >= half:
+            counts = node.counts
+            if counts:
+                if best.id in counts:
+                    return None
+                home = None
+                home_cost = math.inf
+                # Affinity may cost up to a multiple of the prefill it can save later; on a
+                # saturated cluster (even the cheapest worker's L fills the window) work
+                # saved is what matters, and it may cost a fraction of the load too.
+                limit = best_cost + self._affinity * self.tables.pt(end * self.block)
+                if best.L >= self._window_s and self._affinity_sat * best_cost > limit:
+                    limit = self._affinity_sat * best_cost
+                busy = self._busy_l
+                for w in counts:
+                    ws = workers.get(w)
+                    if ws is None:
+                        continue
+                    c = self.price.cost(ws, depths.get(w, 0), prompt)
+                    if c < home_cost and (c <= limit or ws.L <= busy):
+                        home, home_cost = ws, c
+                return home
+            end = node.start
+            node = node.parent  # type: ignore[assignment]
+        return None
 
     def _pd_candidate(self, workers: Mapping[str, WorkerState], now: float) -> WorkerState | None:
         """The lightest decode-dominated worker with a fresh, unused load report."""
@@ -419,5 +491,6 @@ class E2Policy:
         """Replace the state by persisted pieces; ``offset`` maps their times onto ``now``'s
         clock."""
         e2_state.load_incremental(self, meta, nodes, segments, offset, now)
+        self._size_tree()
         self._rebase = False
         self._now = now
