@@ -44,7 +44,7 @@ from services.worker.engine.types import (
     RequestStatus,
     StepOutput,
 )
-from services.worker.engine.window import SlidingSums
+from services.worker.engine.window import SlidingSums, engine_stats
 from services.worker.local.base import LocalPolicy
 from shared.blocks import BLOCK_SIZE, block_hashes
 from shared.messages import KvEvent, SamplingParams
@@ -218,22 +218,11 @@ class HfEngine:
 
     def stats(self, now: float) -> EngineStats:
         """Load snapshot for load reports (same shape as the sim's)."""
-        steps, admits = self._step_win, self._admit_win
-        steps.trim(now)
-        admits.trim(now)
-        outstanding = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-                          + max(r.target_output_tokens - r.num_output_tokens, 0)
-                          for r in self._requests.values())
-        return EngineStats(
+        return engine_stats(
+            self._step_win, self._admit_win, now, self._requests.values(),
             running=len(self._running), waiting=len(self.policy),
             free_blocks=self.cache.num_free, total_blocks=self.cache.num_blocks,
-            block_size=BLOCK_SIZE,
-            decode_share=steps.b / steps.c if steps.c > 0 else 0.0,
-            hit_ratio=admits.b / admits.a if admits.a > 0 else 0.0,
-            outstanding_tokens=outstanding,
-            avg_queue_s=admits.c / len(admits) if len(admits) else 0.0,
-            steps=len(steps), avg_step_s=steps.a / len(steps) if len(steps) else 0.0,
-            window_s=self.cfg.stats_window_s)
+            block_size=BLOCK_SIZE)
 
     # ------------------------------------------------------------------ running
 

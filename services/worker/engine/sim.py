@@ -40,7 +40,7 @@ from services.worker.engine.types import (
     StepOutput,
     StepPlan,
 )
-from services.worker.engine.window import SlidingSums
+from services.worker.engine.window import SlidingSums, engine_stats
 from services.worker.local.base import LocalPolicy
 from services.worker.local.fcfs import FcfsPolicy
 from shared.blocks import block_hashes
@@ -447,29 +447,8 @@ class SimEngine:
 
     def stats(self, now: float) -> EngineStats:
         """Load snapshot; O(waiting + running) for outstanding_tokens."""
-        steps_win, admit_win = self._step_win, self._admit_win
-        steps_win.trim(now)
-        admit_win.trim(now)
-        steps, step_s, decode, tokens = len(steps_win), steps_win.a, steps_win.b, steps_win.c
-        admitted, prompt, cached, queue_s = len(admit_win), admit_win.a, admit_win.b, admit_win.c
-        outstanding = sum(
-            max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-            + r.target_output_tokens
-            - len(r.output_token_ids)
-            for r in self._requests.values()
-        )
-        return EngineStats(
-            running=len(self._running),
-            waiting=len(self.policy),
-            free_blocks=self.cache.num_free,
-            total_blocks=self.cache.num_blocks,
-            block_size=self._block_size,
-            decode_share=decode / tokens if tokens > 0 else 0.0,
-            hit_ratio=cached / prompt if prompt > 0 else 0.0,
-            outstanding_tokens=outstanding,
-            avg_queue_s=queue_s / admitted if admitted else 0.0,
-            steps=steps,
-            avg_step_s=step_s / steps if steps else 0.0,
-            window_s=self.config.stats_window_s,
-            preemptions=self._preemptions,
-        )
+        return engine_stats(
+            self._step_win, self._admit_win, now, self._requests.values(),
+            running=len(self._running), waiting=len(self.policy),
+            free_blocks=self.cache.num_free, total_blocks=self.cache.num_blocks,
+            block_size=self._block_size, preemptions=self._preemptions)

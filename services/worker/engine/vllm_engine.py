@@ -38,7 +38,7 @@ from services.worker.engine.types import (
     StepOutput,
 )
 from services.worker.engine.vllm_events import BlockTranslator
-from services.worker.engine.window import SlidingSums
+from services.worker.engine.window import SlidingSums, engine_stats
 from services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBridgeConfig, PublishKv
 from services.worker.local.base import LocalPolicy
 from shared.blocks import BLOCK_SIZE, block_hashes
@@ -287,23 +287,11 @@ class VllmEngine:
 
     def stats(self, now: float) -> EngineStats:
         """Load snapshot for load reports."""
-        steps, admits = self._stats.steps, self._admit_win
-        steps.trim(now)
-        admits.trim(now)
-        outstanding = sum(
-            max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-            + max(r.target_output_tokens - r.num_output_tokens, 0)
-            for r in self._requests.values())
-        return EngineStats(
+        return engine_stats(
+            self._stats.steps, self._admit_win, now, self._requests.values(),
             running=len(self._tasks), waiting=len(self.policy) + self._stats.waiting,
             free_blocks=self.num_free_blocks, total_blocks=self.num_blocks,
-            block_size=BLOCK_SIZE,
-            decode_share=steps.b / steps.c if steps.c > 0 else 0.0,
-            hit_ratio=admits.b / admits.a if admits.a > 0 else 0.0,
-            outstanding_tokens=outstanding,
-            avg_queue_s=admits.c / len(admits) if len(admits) else 0.0,
-            steps=len(steps), avg_step_s=steps.a / len(steps) if len(steps) else 0.0,
-            window_s=self.cfg.stats_window_s)
+            block_size=BLOCK_SIZE)
 
     # ------------------------------------------------------------------ running
 

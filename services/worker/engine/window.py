@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+
+from services.worker.engine.types import EngineRequest, EngineStats
 
 
 class SlidingSums:
@@ -37,3 +40,39 @@ class SlidingSums:
             self.c -= c
         if not items:  # no float drift once the window empties
             self.a = self.b = self.c = 0.0
+
+
+
+def engine_stats(steps: SlidingSums, admits: SlidingSums, now: float,
+                 requests: Iterable[EngineRequest], *, running: int, waiting: int,
+                 free_blocks: int, total_blocks: int, block_size: int,
+                 preemptions: int = 0) -> EngineStats:
+    """The load snapshot every backend reports, from its two windows (one definition of
+    each figure, whatever the backend); O(len(requests)) for the outstanding tokens.
+
+    ``steps`` holds per finished step (seconds, decode tokens, all tokens); ``admits`` per
+    first admission (prompt tokens, cached tokens, seconds queued).
+    """
+    steps.trim(now)
+    admits.trim(now)
+    outstanding = sum(
+        max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+        + max(r.target_output_tokens - r.num_output_tokens, 0)
+        for r in requests
+    )
+    n_steps, n_admits = len(steps), len(admits)
+    return EngineStats(
+        running=running,
+        waiting=waiting,
+        free_blocks=free_blocks,
+        total_blocks=total_blocks,
+        block_size=block_size,
+        decode_share=steps.b / steps.c if steps.c > 0 else 0.0,
+        hit_ratio=admits.b / admits.a if admits.a > 0 else 0.0,
+        outstanding_tokens=outstanding,
+        avg_queue_s=admits.c / n_admits if n_admits else 0.0,
+        steps=n_steps,
+        avg_step_s=steps.a / n_steps if n_steps else 0.0,
+        window_s=steps.span,
+        preemptions=preemptions,
+    )
