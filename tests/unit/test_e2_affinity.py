@@ -90,3 +90,24 @@ def others_than(p: E2Policy, keep: str) -> set[str]:
     return {w for w in p.workers if w != keep}
 
 
+
+
+# --------------------------------------------------------------------------- decode pressure
+
+
+def _report(p: E2Policy, w: str, step_s: float, now: float) -> None:
+    from shared.messages import LoadReportEvent
+
+    p.on_load(LoadReportEvent(worker_id=w, ts=now, avg_step_s=step_s), now)
+
+
+def test_decode_pressure_steers_long_outputs_off_slow_stepping_workers() -> None:
+    # Equal L everywhere; w0 reports 200 ms steps (busy with long generations), the rest
+    # 20 ms. With the knob on, a request expecting 2,000 output tokens avoids w0.
+    for weight, avoid in ((1.0, True), (0.0, False)):
+        p = make(4, PolicyConfig(decode_step_weight=weight))
+        for i in range(4):
+            _report(p, f"w{i}", 0.2 if i == 0 else 0.02, 0.0)
+        picks = {p.route(req(f"r{j}", toks(50 + j, 4), out=2000.0, max_tokens=4096), 0.1 * j).worker_id
+                 for j in range(8)}
+        assert ("w0" not in picks) is avoid

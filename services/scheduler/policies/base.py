@@ -75,6 +75,14 @@ class PolicyConfig:
     dt_batch_size: int = 32
     # Output length assumed before any completion was seen (tokens).
     default_output_tokens: int = 64
+    # Decode pressure in the load cost: + this x (R's expected output tokens) x (the
+    # worker's mean engine step in its latest load report, s). L prices decode as the
+    # marginal cost of one sequence in a batch, so a worker busy with long generations
+    # looks cheap although every token of R would wait one of its long steps. Off (0) by
+    # default: in the simulator (docs/sim-results.md) 1.0 cut programming's average 7% at
+    # 8 req/s but not its p99, and raised embodied's p99 13% at 80 req/s (the step time
+    # in a 0.25 s report is too noisy to steer short requests by).
+    decode_step_weight: float = 0.0
 
     # ---------------------------------------------------------------- E2 replication
     # A node carrying at least this fraction of its worker's window requests is a hot

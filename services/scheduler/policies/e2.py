@@ -80,6 +80,7 @@ class E2Policy:
         self._default_out = float(config.default_output_tokens)
         self._affinity = config.affinity_prefill_slack
         self._affinity_sat = config.affinity_saturated_ratio
+        self._step_weight = config.decode_step_weight
 
     # ------------------------------------------------------------------ membership
 
@@ -164,14 +165,20 @@ class E2Policy:
                 break
             depth = d.start
             d = d.parent  # type: ignore[assignment]
+        out = req.predicted_output
+        if out <= 0:
+            outputs = win.outputs
+            out = win.out_sum / len(outputs) if outputs else self._default_out
+        if 0 < req.max_tokens < out:
+            out = req.max_tokens
         price = self.price
-        price.node, price.path = node, None  # start pricing this request
+        price.node, price.path, price.out = node, None, out  # start pricing this request
         # Exploit when missed < cached, i.e. prompt - cached < cached.
         if d is not root and prompt < 2 * depth * block:
             ws, kind, got = self._exploit(workers, node, m, d, depth, prompt)
         else:
             ws, kind, got = self._explore(workers, node, m, prompt, now)
-        self._record(req, ws, node, m, prompt, got, now)
+        self._record(req, ws, node, m, prompt, got, out, now)
         matched = got * block
         return Decision(ws.id, kind, matched if matched < req.prompt_tokens else req.prompt_tokens)
 
@@ -351,6 +358,7 @@ class E2Policy:
         m: int,
         prompt: int,
         got: int,
+        out: float,
         now: float,
     ) -> None:
         """Put the decision in the tree at once, charge L, model the worker's eviction."""
@@ -360,12 +368,6 @@ class E2Policy:
         over = tree.worker_blocks[w] - ws.capacity_blocks
         if over > 0:
             tree.evict_lru(w, over, protect=leaf)
-        out = req.predicted_output
-        if out <= 0:
-            outputs = self.window.outputs
-            out = self.window.out_sum / len(outputs) if outputs else self._default_out
-        if 0 < req.max_tokens < out:
-            out = req.max_tokens
         prefill = self.tables.pt(prompt - got * self.block)
         self.window.add(now, ws, leaf, req.request_id, prefill, prompt, out)
 
@@ -396,6 +398,7 @@ class E2Policy:
         ws.decode_share = report.decode_share
         ws.report_ts = now
         ws.pd_used = False
+        ws.step_s = self._step_weight * report.avg_step_s
         if report.decode_share > self.cfg.imbalance_ratio:
             self._decode_heavy.add(ws.id)
         else:

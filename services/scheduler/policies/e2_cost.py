@@ -6,6 +6,11 @@
   through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
   most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
 - ``P``: ``PT(tokens of R not cached on the worker)``.
+- Decode pressure (added to ``L``; not in DESIGN.md's formula): R's expected output tokens
+  x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
+  prices decode as the marginal cost of one more sequence in a batch, which makes a worker
+  busy with long generations look cheap; every output token of R will wait one of its
+  steps, and those steps are long there (programming: ~4k-token outputs).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class LoadCost:
         # (computed once, only when M needs it). Set both when starting a request.
         self.node: Node = tree.root
         self.path: set[Node] | None = None
+        # Output tokens expected of the request being priced (decode pressure).
+        self.out = 0.0
 
     def begin(self, node: Node) -> None:
         """Start pricing a request whose match ends in ``node``."""
@@ -40,7 +47,7 @@ class LoadCost:
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
         missing = prompt - cached_blocks * self.block
-        return ws.L + self.tables.pt(missing) + self.evict_cost(ws, missing)
+        return ws.L + ws.step_s * self.out + self.tables.pt(missing) + self.evict_cost(ws, missing)
 
     def evict_cost(self, ws: WorkerState, missing: int) -> float:
         """M for fitting ``missing`` more tokens on ``ws``; 0 while they fit in free capacity."""
@@ -80,11 +87,12 @@ class LoadCost:
         block = self.block
         p_of: dict[int, float] = {}  # P by cached blocks: most workers share a few values
         bounds = []
+        out = self.out
         for ws, got in zip(workers, cached):
             p = p_of.get(got)
             if p is None:
                 p = p_of[got] = pt(prompt - got * block)
-            bounds.append(ws.L + p)
+            bounds.append(ws.L + ws.step_s * out + p)
         first = bounds.index(min(bounds))
         best_i = first
         best = bounds[first] + self.evict_cost(workers[first], prompt - cached[first] * block)

@@ -82,6 +82,7 @@ class WorkerState:
         "decode_share",
         "report_ts",
         "pd_used",
+        "step_s",
         "queue",
         "alive",
     )
@@ -98,6 +99,9 @@ class WorkerState:
         self.report_ts = float("-inf")
         # A cold request was already sent here on the strength of the current report.
         self.pd_used = False
+        # Mean engine step (s) in its latest fresh load report, times decode_step_weight:
+        # what each output token of a request routed there waits (0: no report).
+        self.step_s = 0.0
         self.queue = QueueTrend()
         # False once the worker left (its requests may still sit in the window).
         self.alive = True
