@@ -104,21 +104,31 @@ class CostModel:
                 return max(seg.value(n), floor)
         return floor
 
+    @property
+    def quadratic_threshold(self) -> float:
+        """``e * s`` above which a request adds the long-prompt term (inf: no such term)."""
+        return self.quadratic[0] if self.quadratic is not None else float("inf")
+
     def _attention_ms(self, ctx: float) -> float:
         threshold, intercept, slope, below = self.attention
         return slope * ctx + intercept if ctx > threshold else below
 
-    def step_time(self, batch: Iterable[tuple[int, int]]) -> float:
-        """Seconds for one engine step running ``(extend_tokens, seq_len_after)`` pairs."""
+    def step_time(self, batch: Iterable[tuple[int, int]], decodes: int = 0,
+                  decode_ctx: int = 0) -> float:
+        """Seconds for one engine step running ``(extend_tokens, seq_len_after)`` pairs,
+        plus ``decodes`` one-token entries given in aggregate (their sequence lengths sum
+        to ``decode_ctx``; each must be at most ``quadratic_threshold``), so that a large
+        decode batch costs O(1) here."""
         if self.per_request is not None:
             const, ke, ks, kes = self.per_request
-            total = 0.0
-            seen = False
+            # e = 1 for a decode, so its e * s term is s.
+            total = decodes * ke + decode_ctx * (ks + kes)
+            seen = decodes > 0
             for e, s in batch:
                 seen = True
                 total += e * ke + s * ks + e * s * kes
             return ((const + total) / self.efficiency) * MS if seen else 0.0
-        n = ctx = 0
+        n, ctx = decodes, decode_ctx
         quad_ms = 0.0
         q = self.quadratic
         if q is None:

@@ -65,3 +65,15 @@ def test_marginal_decode_time_is_far_below_sequential() -> None:
 def test_unknown_profile_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="mistral-7b-a6000"):
         CostModel.load("nope")
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_decodes_in_aggregate_cost_the_same_as_listed(profile: str) -> None:
+    m = CostModel.load(profile)
+    decodes = [(1, s) for s in (17, 300, 4_000, 90_000)]
+    prefills = [(512, 2_048), (1_500, 1_500)]
+    ctx = sum(s for _, s in decodes)
+    for rest in ([], prefills):
+        listed = m.step_time(decodes + rest)
+        assert m.step_time(rest, len(decodes), ctx) == pytest.approx(listed, rel=1e-12)
+    assert m.step_time([], 0, 0) == 0.0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from itertools import islice
 
 from services.worker.engine.block_cache import BlockCache
 from services.worker.engine.types import (
@@ -78,6 +79,9 @@ class SimEngine:
         num_blocks = cfg.num_blocks or cost.kv_capacity_tokens // cfg.block_size
         self.cache = BlockCache(num_blocks, cfg.block_size)
         self._pool = cfg.output_token_pool
+        # Decodes can be priced in aggregate when no sequence can reach the profile's
+        # long-prompt threshold (e * s = s for a decode; s is bounded by the KV pool).
+        self._aggregate_decodes = cost.kv_capacity_tokens <= cost.quadratic_threshold
 
     def _init_state(self) -> None:
         # Waiting (in the policy) and running requests by id.
@@ -223,7 +227,12 @@ class SimEngine:
             self._admit_waiting(plan, budget, now)
         if not plan.requests:
             return None
-        plan.duration = self.cost_model.step_time(plan.batch)
+        k = plan.decode_entries
+        if k and self._aggregate_decodes:
+            plan.duration = self.cost_model.step_time(
+                islice(plan.batch, k, None), k, plan.decode_ctx)
+        else:
+            plan.duration = self.cost_model.step_time(plan.batch)
         self._inflight = plan
         return plan
 
@@ -237,6 +246,7 @@ class SimEngine:
         allocate_one = self.cache.allocate_one
         mid_prefill = False
         prompt_tail = 0  # the last token of a prompt is prefill work, not decode
+        ctx = 0
         # _grow may preempt (remove) entries, but only ones after req (or req itself, and
         # then the loop ends), which a list iterator tolerates.
         for req in self._running:
@@ -253,8 +263,11 @@ class SimEngine:
                     break  # req preempted itself: it was the last one running
             reqs.append(req)
             batch.append((1, c + 1))
+            ctx += c + 1
             if c < req.num_prompt_tokens:
                 prompt_tail += 1
+        plan.decode_entries = len(reqs)
+        plan.decode_ctx = ctx
         plan.decode_tokens += len(reqs) - prompt_tail
         plan.prefill_tokens += prompt_tail
         return budget - len(reqs), mid_prefill

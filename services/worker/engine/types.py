@@ -149,6 +149,10 @@ class StepPlan:
     requests: list[EngineRequest] = field(default_factory=list)
     # (extend_tokens, seq_len_after) per entry of ``requests``, same order.
     batch: list[tuple[int, int]] = field(default_factory=list)
+    # The first ``decode_entries`` entries of ``batch`` are one-token decodes whose
+    # seq_len_after values sum to ``decode_ctx`` (step time prices them in aggregate).
+    decode_entries: int = 0
+    decode_ctx: int = 0
     # Tokens computing KV of generated tokens (1 per running decode).
     decode_tokens: int = 0
     # Tokens of prompt prefill (and of recompute after preemption).
