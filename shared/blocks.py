@@ -12,7 +12,7 @@ prompts of two tenants share no block hash, and so no cache entry.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 BLOCK_SIZE = 16
 # Root of every chain for the default (empty) tenant.
@@ -41,3 +41,26 @@ def extend_hashes(parent: int, token_ids: Sequence[int], block_size: int = BLOCK
         parent = hash((parent, *token_ids[start : start + block_size]))
         out.append(parent)
     return out
+
+
+def chain_runs(parent_of: Mapping[int, int | None]) -> list[list[int]]:
+    """The blocks of ``parent_of`` (block hash -> parent hash) as straight runs of their
+    chains, parents before children: each run follows first children, and a sibling
+    starts a run of its own later. A block whose parent is not in ``parent_of`` is a root.
+    Used to describe a whole cache as ``BlockStored`` events (a resync)."""
+    children: dict[int, list[int]] = {}
+    roots: list[int] = []
+    for h, parent in parent_of.items():
+        if parent is not None and parent in parent_of:
+            children.setdefault(parent, []).append(h)
+        else:
+            roots.append(h)
+    runs: list[list[int]] = []
+    stack = roots[::-1]
+    while stack:
+        run = [stack.pop()]
+        while kids := children.get(run[-1]):
+            stack.extend(reversed(kids[1:]))
+            run.append(kids[0])
+        runs.append(run)
+    return runs

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from shared.blocks import chain_runs
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
@@ -278,22 +279,8 @@ class BlockCache:
         """``[AllBlocksCleared(), BlockStored...]`` rebuilding the current cache from scratch,
         parents before children, one event per straight run of a chain."""
         cached, parents, tokens = self._cached, self._parent, self._tokens
-        children: dict[int, list[int]] = {}
-        roots: list[int] = []
-        for h, b in cached.items():
-            parent = parents[b]
-            if parent is not None and parent in cached:
-                children.setdefault(parent, []).append(h)
-            else:
-                roots.append(h)
         events: list[KvEvent] = [AllBlocksCleared()]
-        stack = roots[::-1]
-        while stack:
-            run = [stack.pop()]
-            # Follow the first child; siblings start runs of their own later.
-            while kids := children.get(run[-1]):
-                stack.extend(reversed(kids[1:]))
-                run.append(kids[0])
+        for run in chain_runs({h: parents[b] for h, b in cached.items()}):
             events.append(
                 BlockStored(
                     block_hashes=run,

@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from shared.blocks import BLOCK_SIZE, extend_hashes, tenant_salt
+from shared.blocks import BLOCK_SIZE, chain_runs, extend_hashes, tenant_salt
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 # vLLM's ExternalBlockHash.
@@ -440,20 +440,8 @@ class BlockTranslator:
         """``[AllBlocksCleared, BlockStored...]`` describing every live prefixmesh block,
         parents before children, one event per straight run of a chain (a resync)."""
         parents, cached = self._pm_parent, self._pm_refs
-        children: dict[int, list[int]] = {}
-        roots: list[int] = []
-        for h, parent in parents.items():
-            if parent is not None and parent in cached:
-                children.setdefault(parent, []).append(h)
-            else:
-                roots.append(h)
         events: list[KvEvent] = [AllBlocksCleared()]
-        stack = roots[::-1]
-        while stack:
-            run = [stack.pop()]
-            while kids := children.get(run[-1]):
-                stack.extend(reversed(kids[1:]))
-                run.append(kids[0])
+        for run in chain_runs({h: p for h, p in parents.items() if h in cached}):
             events.append(BlockStored(
                 block_hashes=run, parent_block_hash=parents[run[0]],
                 token_ids=[t for h in run for t in self._pm_tokens[h]],
