@@ -47,7 +47,7 @@ def run_fidelity(spec: WorkloadSpec, workers: int, rate: float, duration_s: floa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadgen.fidelity",
+    p = argparse.ArgumentParser(prog="prefixmesh fidelity",
                                 description="Live mesh vs virtual-time simulator, same config.")
     add_workload_args(p)
     p.add_argument("--workers", type=int, default=4)

@@ -94,6 +94,12 @@ def _report(argv: list[str]) -> int:
     return report_main(argv)
 
 
+def _fidelity(argv: list[str]) -> int:
+    from loadgen.fidelity import main as fidelity_main
+
+    return fidelity_main(argv)
+
+
 def _sim(argv: list[str]) -> int:
     from loadgen.sweep import main as sim_main
 
@@ -135,6 +141,8 @@ DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("open-loop HTTP load against an OpenAI-compatible endpoint", _bench),
     "sim": ("virtual-time cluster simulation over rates and policies", _sim),
     "report": ("markdown tables and latency-vs-rate plots from result files", _report),
+    "fidelity": ("the same config through the live mesh and the simulator, side by side",
+                 _fidelity),
     "worker": ("one engine replica; --http PORT serves it standalone (OpenAI, SGLang and "
                "vLLM routes) for third-party routers", _worker),
     "compare": ("prefixmesh vs sglang-router / vllm-router in front of the same simulated "

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
+import asyncio
+
 import pytest
+import redis.asyncio as aioredis
 
 from services.scheduler.service import SchedulerConfig, SchedulerService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared.blocks import block_hashes
-from shared.bus import Bus
+from shared.bus import Bus, BusUnavailable
 from shared.messages import (
     ROUTE_REPLY,
     STREAM_EVENT,
@@ -45,10 +47,22 @@ async def bus(nats_server: str, prefix: str):
     await b.close()
 
 
+# Like the edge (route_retry_s), the client retries a routing request nobody answered.
+ROUTE_PATIENCE_S = 2.0
+
+
 async def _route(bus: Bus, rid: str, tokens: list[int]):
-    return await bus.request(bus.subjects.route, RouteRequest(
-        request_id=rid, block_hashes=block_hashes(tokens), prompt_tokens=len(tokens),
-        max_tokens=4), ROUTE_REPLY, 5)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ROUTE_PATIENCE_S
+    req = RouteRequest(request_id=rid, block_hashes=block_hashes(tokens),
+                       prompt_tokens=len(tokens), max_tokens=4)
+    while True:
+        try:
+            return await bus.request(bus.subjects.route, req, ROUTE_REPLY, 5)
+        except BusUnavailable:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 async def _serve(bus: Bus, worker_id: str, rid: str, tokens: list[int], done: list) -> None:
@@ -119,6 +133,9 @@ async def test_state_is_persisted_to_redis_and_restored(bus, nats_server, redis_
         # A new scheduler process restores the tree: the prefix is exploited at once.
         again = SchedulerService(cfg)
         async with running(again):
-            await eventually(lambda: set(again.policy.workers) == {"a", "b"})
+            # Serving once active (at once when the old instance's lease was released; after
+            # the lease TTL otherwise) with the restored workers.
+            await eventually(lambda: again.active and set(again.policy.workers) == {"a", "b"},
+                             timeout=15)
             r2 = await _route(bus, "r1", doc + [5] * 16)
             assert (r2.worker_id, r2.decision) == (owner, "exploit")
