@@ -118,7 +118,8 @@ _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
 _MISSING = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
-def _decode(body: bytes, typ: type) -> Any:
+def decode_body(body: bytes, typ: type) -> Any:
+    """Decode a JSON request body into ``typ``; OpenAI-style 400s naming the bad field."""
     if not body.strip():
         raise ApiError(400, "request body is empty; send a JSON object")
     try:
@@ -233,7 +234,7 @@ def _check_choices(n: int, prompts: int) -> None:
 def parse_completion(body: bytes, models: tuple[str, ...], vocab_size: int,
                      max_tokens_limit: int = MAX_TOKENS_LIMIT) -> ParsedRequest:
     """Validate a ``/v1/completions`` body."""
-    b = _decode(body, _CompletionBody)
+    b = decode_body(body, _CompletionBody)
     _check_common(b, models)
     if b.echo:
         raise ApiError(400, "echo is not supported", param="echo")
@@ -270,7 +271,7 @@ def _content_text(content: Any, index: int) -> str:
 def parse_chat(body: bytes, models: tuple[str, ...],
                max_tokens_limit: int = MAX_TOKENS_LIMIT) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body."""
-    b = _decode(body, _ChatBody)
+    b = decode_body(body, _ChatBody)
     _check_common(b, models)
     if not b.messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages")

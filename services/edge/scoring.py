@@ -29,9 +29,9 @@ from services.edge.schema import (
     ParsedRequest,
     Sampling,
     _check_choices,
-    _decode,
-    allowed_tokens,
     _prompts,
+    allowed_tokens,
+    decode_body,
 )
 
 
@@ -55,7 +55,7 @@ class ScoreRequest(msgspec.Struct):
 
 def parse_score(body: bytes, models: tuple[str, ...], vocab_size: int) -> ScoreRequest:
     """Validate a ``/v1/score`` body."""
-    b = _decode(body, _ScoreBody)
+    b = decode_body(body, _ScoreBody)
     if not b.model:
         raise ApiError(400, "model must be a non-empty string", param="model")
     if b.model not in models:

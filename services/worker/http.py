@@ -53,11 +53,17 @@ from services.edge.schema import (
     ApiError,
     ParsedRequest,
     Sampling,
+    decode_body,
     parse_chat,
     parse_completion,
 )
 from services.worker.service import WorkerService
-from shared.messages import GenerateChunkEvent, GenerateDoneEvent, GenerateRequest, SamplingParams
+from shared.messages import (
+    GenerateChunkEvent,
+    GenerateDoneEvent,
+    GenerateRequest,
+    SamplingParams,
+)
 
 WORKER = web.AppKey("worker", WorkerService)
 # Largest request body accepted (bytes): a 128k-token prompt as JSON ints fits.
@@ -280,17 +286,6 @@ class _SglGenerate(msgspec.Struct):
     rid: str | None = None
 
 
-def _decode_body(body: bytes, typ: type) -> Any:
-    if not body.strip():
-        raise ApiError(400, "request body is empty; send a JSON object")
-    try:
-        return msgspec.json.decode(body, type=typ)
-    except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"malformed JSON: {exc}") from None
-
-
 def _sgl_prompts(w: WorkerService, b: _SglGenerate) -> tuple[list[list[int]], bool]:
     """Token-id prompts of a /generate body and whether it was a batch."""
     if (b.text is None) == (b.input_ids is None):
@@ -322,7 +317,7 @@ def _sgl_finish(ev: GenerateDoneEvent) -> dict[str, Any]:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     w = _worker(request)
-    b = _decode_body(await _read(request), _SglGenerate)
+    b = decode_body(await _read(request), _SglGenerate)
     prompts, batch = _sgl_prompts(w, b)
     sp = b.sampling_params
     if sp.max_new_tokens < 1:
@@ -380,7 +375,7 @@ class _TokenizeBody(msgspec.Struct):
 
 async def tokenize(request: web.Request) -> web.Response:
     w = _worker(request)
-    b = _decode_body(await _read(request), _TokenizeBody)
+    b = decode_body(await _read(request), _TokenizeBody)
     if b.messages is not None:
         body = msgspec.json.encode({"model": w.cfg.model, "messages": b.messages})
         tokens = _token_prompts(w, parse_chat(body, _models(w)))[0]
@@ -401,7 +396,7 @@ class _DetokenizeBody(msgspec.Struct):
 
 async def detokenize(request: web.Request) -> web.Response:
     w = _worker(request)
-    b = _decode_body(await _read(request), _DetokenizeBody)
+    b = decode_body(await _read(request), _DetokenizeBody)
     if w.tok is None:
         raise ApiError(400, "this worker has no tokenizer", param="tokens")
     return web.json_response({"prompt": w.tok.decode(b.tokens)})
