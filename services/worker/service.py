@@ -45,6 +45,7 @@ from shared.lifecycle import TaskSet
 from shared.messages import (
     WORKER_REQUEST,
     AbortRequest,
+    BlockRemoved,
     ErrorInfo,
     GenerateChunkEvent,
     GenerateDoneEvent,
@@ -70,6 +71,9 @@ LATENCY = Histogram("prefixmesh_worker_request_latency_seconds",
                     "arrival at the worker to last token", ["worker"], buckets=LATENCY_BUCKETS_S)
 QUEUE_TIME = Histogram("prefixmesh_worker_queue_seconds", "time a request waited to start",
                        ["worker"], buckets=LATENCY_BUCKETS_S)
+# KV blocks the engine evicted (BlockRemoved events): zero until the prefix cache is full.
+KV_EVICTED = Counter("prefixmesh_worker_kv_blocks_evicted_total",
+                     "KV cache blocks evicted (BlockRemoved events published)", ["worker"])
 # Size of the word-token pool the simulated engine draws output tokens from.
 OUTPUT_POOL_SIZE = 256
 # Drain polls the engine this often (seconds).
@@ -251,6 +255,9 @@ class WorkerService:
     async def _publish_kv(self, events: list) -> None:
         if not events or self.bus is None:  # HTTP-only worker: nobody consumes KV events
             return
+        removed = sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+        if removed:
+            KV_EVICTED.labels(self.worker_id).inc(removed)
         self.kv_seq += 1
         await self.bus.publish(self.bus.subjects.kv(self.worker_id), KvEventBatch(
             worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
