@@ -14,7 +14,7 @@ import aiohttp
 
 from loadgen.client import run_open_loop
 from loadgen.options import WorkloadSpec, add_workload_args
-from loadgen.results import RequestResult, summarize
+from loadgen.results import RequestResult, send_lag, summarize, to_model_time
 from loadgen.text_prompts import as_text
 
 PROGRESS_EVERY_S = 0.5
@@ -58,19 +58,27 @@ async def first_model(url: str) -> str:
 
 
 def run_bench(url: str, spec: WorkloadSpec, rate: float, duration_s: float, model: str | None,
-              labels: dict, progress: bool = True, text_prompts: bool = False) -> dict:
-    """Replay ``rate x duration`` requests of ``spec`` against ``url``; one result row."""
+              labels: dict, progress: bool = True, text_prompts: bool = False,
+              time_scale: float = 1.0) -> dict:
+    """Replay ``rate x duration`` requests of ``spec`` against ``url``; one result row.
+
+    With ``time_scale`` K (sim workers run K times slower, ``--time-scale`` on the workers)
+    ``rate`` and ``duration_s`` are in model time: the same requests and arrival times are
+    sent K times slower, and the row is converted back to model time (``to_model_time``).
+    """
     count = max(1, round(rate * duration_s))
     requests = spec.requests(count)
     if text_prompts:
         requests = as_text(requests)
-    arrivals = spec.times(rate, count)
+    arrivals = [t * time_scale for t in spec.times(rate, count)]
     model = model or asyncio.run(first_model(url))
     bar = Progress(count, progress)
     results, wall = asyncio.run(run_open_loop(url, model, requests, arrivals, on_done=bar))
     if progress:
         print(file=sys.stderr)
-    return summarize(results, wall, workload=spec.workload, rate=rate, **labels)
+    row = summarize(results, wall, workload=spec.workload, rate=rate, **labels)
+    row.update(send_lag(results))
+    return to_model_time(row, time_scale)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--rate", type=float, required=True, help="mean request rate (req/s)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="K: the sim workers run K times slower (their --time-scale K); "
+                   "--rate and --duration are model time, sent K times slower, and the "
+                   "result is converted back to model time (latency / K, throughput x K)")
     p.add_argument("--model", default=None, help="model name (default: the first listed)")
     p.add_argument("--label", default="prefixmesh", help="'policy' field of the result row")
     p.add_argument("--local-policy", default="", help="'local_policy' field of the result")
@@ -97,14 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.rate <= 0 or args.duration <= 0:
-        raise SystemExit("--rate and --duration must be positive")
+    if args.rate <= 0 or args.duration <= 0 or args.time_scale <= 0:
+        raise SystemExit("--rate, --duration and --time-scale must be positive")
     labels = {"policy": args.label, "local_policy": args.local_policy, "gpus": args.gpus,
               "backend": args.backend}
     try:
         row = run_bench(args.url.rstrip("/"), WorkloadSpec.from_args(args), args.rate,
                         args.duration, args.model, labels, progress=not args.no_progress,
-                        text_prompts=args.text_prompts)
+                        text_prompts=args.text_prompts, time_scale=args.time_scale)
     except aiohttp.ClientError as exc:
         raise SystemExit(f"cannot reach {args.url}: {exc}") from None
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,10 @@ async def run_open_loop(url: str, model: str, requests: Sequence[WorkloadRequest
 
         async def fire(req: WorkloadRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            # How late the send is: a client that cannot keep up offers less than its rate.
+            lag = max(time.perf_counter() - start - at, 0.0)
             res = await send_one(session, url, model, req)
+            res.send_lag_s = lag
             if on_done is not None:
                 on_done(res)
             return res

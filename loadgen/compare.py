@@ -19,6 +19,16 @@ that noise from other load on the machine spreads over all of them):
 Every process is started and stopped here, by PID; logs go to ``OUT_DIR/logs``. Result
 rows follow DESIGN.md section 11 with ``policy`` = contender name; the JSON also carries
 ``overhead`` rows and ``meta`` (versions, command line).
+
+``--time-scale K`` runs the simulated GPUs K times slower than the modelled hardware (the
+workers' ``--time-scale``; prefixmesh's scheduler gets the same clock, so its windows stay
+in model seconds). Rates and durations are then model time: the client offers rate / K for
+K x duration wall seconds and the rows are converted back (latency / K, throughput x K;
+``time_scale`` and ``times: "model"`` in each row and in ``meta``). What runs outside the
+simulated GPUs (client, HTTP, routers, bus) is divided by K as well, so a router's own
+overhead looks K times smaller: the overhead probe runs only at K = 1. Each row also
+carries the client's send lag and the workers' step lag (wall seconds), which say whether
+the machine kept up.
 """
 
 from __future__ import annotations
@@ -146,10 +156,11 @@ class WorkerGroup:
     """``n`` standalone HTTP sim workers on the mesh's bus; a context manager."""
 
     def __init__(self, n: int, local_policy: str, profile: str, nats_url: str,
-                 subject_prefix: str, log_dir: Path) -> None:
+                 subject_prefix: str, log_dir: Path, time_scale: float = 1.0) -> None:
         self.procs: list[ManagedProcess] = []
         self.urls: list[str] = []
         self.n, self.local_policy, self.profile = n, local_policy, profile
+        self.time_scale = time_scale
         self.nats_url, self.subject_prefix, self.log_dir = nats_url, subject_prefix, log_dir
 
     def __enter__(self) -> WorkerGroup:
@@ -159,7 +170,8 @@ class WorkerGroup:
                 argv = [sys.executable, "-m", "services.cli", "worker", "--http", str(port),
                         "--nats-url", self.nats_url, "--subject-prefix", self.subject_prefix,
                         "--worker-id", f"w{i}", "--backend", "sim", "--profile", self.profile,
-                        "--local-policy", self.local_policy, "--log-level", "WARNING"]
+                        "--local-policy", self.local_policy, "--log-level", "WARNING",
+                        "--time-scale", str(self.time_scale)]
                 name = f"worker-{self.local_policy}-{i}"
                 self.procs.append(ManagedProcess(name, argv, env=child_env(
                     PYTHONUNBUFFERED="1"), log_path=self.log_dir / f"{name}.log").start())
@@ -184,6 +196,16 @@ class WorkerGroup:
                     raise TimeoutError(f"{url} did not flush its cache")
                 time.sleep(0.5)
 
+    def step_lag(self) -> dict[str, float]:
+        """The workers' step lag since the last flush: the worst lag ratio and step lag."""
+        ratio = worst = 0.0
+        for url in self.urls:
+            info = _get_json(url + "/server_info")
+            lag = info.get("step_lag", {}) if isinstance(info, dict) else {}
+            ratio = max(ratio, lag.get("lag_ratio", 0.0))
+            worst = max(worst, lag.get("max_lag_s", 0.0))
+        return {"worker_lag_ratio_max": ratio, "worker_step_lag_max_wall_s": worst}
+
 
 class Running:
     """A started contender: its URL and how to stop it."""
@@ -202,7 +224,9 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
             redis_url=infra["redis"], subject_prefix=group.subject_prefix,
             log_dir=log_dir / f"mesh-{serial}-{c.name}", log_level="WARNING",
             # A fresh Redis key prefix: the scheduler must not reload an earlier run's tree.
-            extra_env={"PM_REDIS_PREFIX": f"cmp{serial}"})
+            # The scheduler's policy clock runs in the workers' model time.
+            extra_env={"PM_REDIS_PREFIX": f"cmp{serial}",
+                       "PM_TIME_SCALE": str(group.time_scale)})
         mesh = LocalMesh(opts)
         try:
             mesh.start()
@@ -253,7 +277,8 @@ def run_bench(url: str, model: str, c: Contender, rate: float, args: argparse.Na
             *workload_argv,
             "--rate", str(rate), "--duration", str(args.duration), "--json", str(out),
             "--label", c.name, "--local-policy", c.local_policy, "--gpus", str(args.workers),
-            "--backend", "sim", "--no-progress", "--text-prompts"]
+            "--backend", "sim", "--no-progress", "--text-prompts",
+            "--time-scale", str(args.time_scale)]
     with open(log_dir / f"bench-{c.name}-{rate:g}.log", "ab") as log:
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=True,
                        stdin=subprocess.DEVNULL)
@@ -273,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: prefixmesh-POLICY, sglang-POLICY, vllm-POLICY, "
                    "each optionally @LOCAL_POLICY of the workers (default fcfs)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per point")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="K: run the simulated GPUs K times slower than the modelled hardware; "
+                   "--rates and --duration are model time, offered K times slower, results "
+                   "converted back to model time (latency / K, throughput x K); the overhead "
+                   "probe is skipped unless K = 1")
     p.add_argument("--profile", default="mistral-7b-a6000", help="cost-model profile")
     p.add_argument("--nats-url", default="", help="NATS to use (default: start one)")
     p.add_argument("--redis-url", default="", help="Redis to use (default: start one)")
@@ -288,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, workload_argv = build_parser().parse_known_args(argv)
     workload_argv = ["--workload", args.workload, *workload_argv]
     rates = parse_floats(args.rates, "--rates")
+    if not args.time_scale > 0:
+        raise SystemExit("--time-scale must be positive")
+    probe_on = not args.no_probe and args.time_scale == 1.0
     contenders = [Contender.parse(n) for n in parse_names(args.contenders)]
     missing = {c.name: why for c in contenders if (why := available(c))}
     if missing and not args.skip_missing:
@@ -301,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict = {"runs": [], "overhead": [], "meta": {
         "command": "prefixmesh compare " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "left_out": missing, "failures": [],
+        "time_scale": args.time_scale,
+        "times": "model" if args.time_scale != 1.0 else "wall",
         "started": time.time()}}
     infra_procs: list[ManagedProcess] = []
     try:
@@ -318,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serial = 0
         for local, group_contenders in by_local.items():
             with WorkerGroup(args.workers, local, args.profile, infra["nats"],
-                             f"cmp{local}", log_dir) as group:
+                             f"cmp{local}", log_dir, args.time_scale) as group:
                 model = _get_json(group.urls[0] + "/v1/models")["data"][0]["id"]
                 for ri, rate in enumerate(rates):
                     k = ri % len(group_contenders)
@@ -334,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 {"contender": c.name, "rate": rate, "error": str(exc)})
                             continue
                         try:
-                            if ri == 0 and not args.no_probe:
+                            if ri == 0 and probe_on:
                                 via, bare = asyncio.run(probe(running.url, group.urls[0],
                                                               model))
                                 result["overhead"].append({
@@ -345,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             log_dir / f"run-{serial}.json", log_dir)
                         finally:
                             running.stop()
+                        row.update(group.step_lag())
                         result["runs"].append(row)
                         print(json.dumps(row), flush=True)
                         args.json.write_text(json.dumps(result, indent=1))
@@ -353,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.stop()
     args.json.write_text(json.dumps(result, indent=1))
     md = markdown(result["runs"]) + overhead_markdown(result["overhead"])
+    if args.time_scale != 1.0:
+        md = (f"Model time: simulated GPUs ran {args.time_scale:g}x slower; latencies / "
+              f"{args.time_scale:g}, throughput x {args.time_scale:g}.\n\n" + md)
     args.json.with_suffix(".md").write_text(md)
     plot(result["runs"], args.json.with_suffix(".png"))
     print(md)

@@ -18,6 +18,7 @@ class RequestResult:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    send_lag_s: float = 0.0  # sent this much after its arrival time (wall seconds)
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float:
@@ -53,3 +54,32 @@ def summarize(results: Sequence[RequestResult], duration_s: float, **labels: Any
         "throughput_rps": len(ok) / duration_s if duration_s > 0 else 0.0,
         "cache_hit_ratio": cached / prompt if prompt else 0.0,
     }
+
+
+def send_lag(results: Sequence[RequestResult]) -> dict[str, float]:
+    """Whether a live client kept up with its arrival times (wall seconds, all requests)."""
+    return {"send_lag_p99_wall_s": percentile(sorted(r.send_lag_s for r in results), 99),
+            "send_lag_max_wall_s": max((r.send_lag_s for r in results), default=0.0)}
+
+
+# Row fields in seconds (divided by the time scale) and per second (multiplied by it).
+_SECONDS = ("latency_avg_s", "latency_p50_s", "latency_p90_s", "latency_p99_s",
+            "ttft_avg_s", "ttft_p99_s", "tpot_avg_s")
+_PER_SECOND = ("throughput_rps",)
+
+
+def to_model_time(row: dict[str, Any], time_scale: float) -> dict[str, Any]:
+    """A row measured against sim workers slowed ``time_scale`` times, in model time:
+    seconds / K, rates x K (``*_wall_s`` fields stay wall). Marks the row with
+    ``time_scale`` and ``times: "model"``. Overheads outside the simulated GPUs (client,
+    HTTP, router, bus) are divided by K as well."""
+    out = dict(row)
+    for k in _SECONDS:
+        if k in out:
+            out[k] = out[k] / time_scale
+    for k in _PER_SECOND:
+        if k in out:
+            out[k] = out[k] * time_scale
+    out["time_scale"] = time_scale
+    out["times"] = "model" if time_scale != 1.0 else "wall"
+    return out

@@ -83,6 +83,9 @@ class SchedulerConfig(CommonConfig):
                                           "one worker (seconds)")
     stats_interval_s: float = option(1.0, "period of the summary (decision mix, hot "
                                      "prefixes) published for the metrics service (seconds)")
+    time_scale: float = option(1.0, "wall seconds per model second of sim workers run with "
+                               "the same --time-scale: the policy's clock is wall / K, so its "
+                               "windows and cooldowns stay in model seconds")
 
 
 class SchedulerService:
@@ -90,6 +93,8 @@ class SchedulerService:
 
     def __init__(self, cfg: SchedulerConfig, policy_cfg: PolicyConfig | None = None) -> None:
         self.cfg = cfg
+        if not cfg.time_scale > 0:
+            raise ValueError("time_scale must be positive")
         # The policy's knobs (E2's H, IMBALR, Th_bal, replication, tree budget; the
         # baselines' parameters): ``PolicyConfig``, from PM_* env / CLI in ``__main__``.
         self.policy_cfg = policy_cfg if policy_cfg is not None else PolicyConfig()
@@ -116,6 +121,11 @@ class SchedulerService:
         self._gaps = 0
         self._replicas_seen = (0, 0)
 
+    def policy_now(self) -> float:
+        """The policy's clock: monotonic seconds over ``time_scale`` (model seconds).
+        Liveness, resync pacing and leases stay on the wall clock."""
+        return time.monotonic() / self.cfg.time_scale
+
     def _fresh_policy(self) -> GlobalPolicy:
         return make_policy(self.cfg.policy, self.policy_cfg, self.cost)
 
@@ -137,7 +147,7 @@ class SchedulerService:
                          tenant=req.tenant, predicted_output=req.predicted_output,
                          exclude=frozenset(req.exclude))
         try:
-            d = self.policy.route(inp, time.monotonic())
+            d = self.policy.route(inp, self.policy_now())
         except NoWorkerError as exc:
             DECISIONS.labels("none").inc()
             ROUTE_ERRORS.labels("unavailable").inc()
@@ -154,13 +164,13 @@ class SchedulerService:
         self.decisions[kind] = self.decisions.get(kind, 0) + 1
 
     async def _on_event(self, ev: object) -> None:
-        now = time.monotonic()
+        now, pnow = time.monotonic(), self.policy_now()
         if isinstance(ev, LoadReportEvent):
             if ev.worker_id not in self.last_seen or ev.worker_id not in self.policy.workers:
                 log.info("worker %s joined (%d blocks)", ev.worker_id, ev.total_blocks)
-                self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, now)
+                self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, pnow)
             self.last_seen[ev.worker_id] = now
-            self.policy.on_load(ev, now)
+            self.policy.on_load(ev, pnow)
             why = self._check_kv_tail(ev, now)
             if why:
                 KV_GAPS.inc()
@@ -169,7 +179,7 @@ class SchedulerService:
         elif isinstance(ev, KvEventBatch):
             await self._on_kv(ev, now)
         elif isinstance(ev, RequestDoneEvent):
-            self.policy.on_done(ev, now)
+            self.policy.on_done(ev, pnow)
 
     async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
         w = batch.worker_id
@@ -190,7 +200,7 @@ class SchedulerService:
         elif batch.seq <= last:  # a new sequence: the worker restarted, its cache is new
             await self._resync(w, f"restart {last} -> {batch.seq}", now)
         if w in self.policy.workers:
-            self.policy.on_kv_events(w, batch.events, now)
+            self.policy.on_kv_events(w, batch.events, self.policy_now())
 
     def _check_kv_tail(self, report: LoadReportEvent, now: float) -> str:
         """A load report names the worker's last KV sequence number: if we are still behind
@@ -237,10 +247,10 @@ class SchedulerService:
             for w, seen in list(self.last_seen.items()):
                 if judge and now - seen > silent_after and w in self.policy.workers:
                     log.warning("worker %s silent for %.1fs; dropped from routing", w, now - seen)
-                    self.policy.remove_worker(w, now)
+                    self.policy.remove_worker(w, self.policy_now())
                     del self.last_seen[w]
             WORKERS.set(len(self.policy.workers))
-            self.policy.tick(now)
+            self.policy.tick(self.policy_now())
             self._observe_policy()
 
     def _observe_policy(self) -> None:
@@ -309,7 +319,7 @@ class SchedulerService:
         self.policy = self._fresh_policy()
         self.last_seen, self.kv_seq, self._kv_behind, self._resync_at = {}, {}, {}, {}
         self._replicas_seen = (0, 0)
-        self.store = StateStore(self.redis, self.state_key)
+        self.store = StateStore(self.redis, self.state_key, clock=self.policy_now)
         await self._restore()
         self.policy.track_changes()
         for subject in (bus.subjects.load_all, bus.subjects.kv_all, bus.subjects.done):
@@ -347,7 +357,7 @@ class SchedulerService:
                                        socket_connect_timeout=1.0)
         stack.push_async_callback(self.redis.aclose)
         self.lease = Lease(self.redis, self.lease_key, self.instance_id, self.cfg.lease_ttl_s)
-        self.store = StateStore(self.redis, self.state_key)
+        self.store = StateStore(self.redis, self.state_key, clock=self.policy_now)
         self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
                                            "scheduler")
         stack.push_async_callback(bus.close)

@@ -28,6 +28,13 @@ class WorkerConfig(CommonConfig):
     http_port: int = option(0, "serve the OpenAI / SGLang / vLLM-compatible HTTP API on this "
                             "port beside the mesh subjects (0 = no HTTP)")
     max_model_len: int = option(131072, "HTTP: longest prompt + max_tokens accepted (tokens)")
+    probe_model: str = option("", "hf: predictor artifact folder whose probe refines each "
+                              "request's remaining length in-process (TRAIL; read by "
+                              "sprpt_limited); empty = no refinement")
+    time_scale: float = option(
+        1.0, "sim: wall seconds per modelled second; K > 1 runs the simulated GPU K times "
+        "slower than the modelled hardware (every step lasts K x its modelled time) while the "
+        "engine's own times stay in model seconds (engine/pacing.py)")
     default_output_mean: float = option(
         128.0, "sim: mean output tokens of a request with no length hint and no ignore_eos")
 

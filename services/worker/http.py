@@ -11,7 +11,8 @@ vllm-router 0.1.17):
 - ``GET /health``, ``/health_generate``: liveness (sglang-router probes /health at start and
   every ``--health-check-interval-secs``).
 - ``GET /server_info``, ``/get_server_info``, ``/model_info``, ``/get_model_info``,
-  ``/v1/models``: what the routers read at registration.
+  ``/v1/models``: what the routers read at registration. ``/server_info`` also carries
+  the sim clock's ``time_scale`` and ``step_lag`` since the last flush (engine/pacing.py).
 - ``GET /get_load``: queued + running requests (power_of_two's load probe).
 - ``POST /v1/completions``, ``/v1/chat/completions``: OpenAI, SSE streaming or not, usage
   with ``prompt_tokens_details.cached_tokens``; prompts as text or token ids.
@@ -449,7 +450,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _load(w: WorkerService) -> dict[str, int]:
-    s = w.engine.stats(time.monotonic())
+    s = w.engine.stats(w.engine_now())
     return {"running": s.running, "waiting": s.waiting, "outstanding_tokens":
             s.outstanding_tokens}
 
@@ -467,6 +468,8 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": cost.max_num_seqs, "context_length": w.cfg.max_model_len,
         "dp_size": 1, "tp_size": 1, "version": "prefixmesh",
         "internal_states": [_load(w)],
+        # Not SGLang's: the sim clock and how late its steps ran since the last flush.
+        "time_scale": w.cfg.time_scale, "step_lag": w.pacer.lag.as_dict(),
     })
 
 

@@ -28,6 +28,7 @@ from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
 from services.worker.config import WorkerConfig
 from services.worker.engine.hf_engine import HfEngine, HfEngineConfig
 from services.worker.engine.hf_model import missing_dependencies as hf_missing
+from services.worker.engine.pacing import Pacer
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from services.worker.engine.types import EngineRequest, StepOutput
 from services.worker.engine.vllm_engine import (
@@ -128,16 +129,22 @@ class WorkerService:
             raise SystemExit(why)
         if cfg.backend == "hf" and (why := hf_missing()):
             raise SystemExit(why)
+        if cfg.probe_model and cfg.backend != "hf":
+            raise SystemExit("--probe-model needs --backend hf (the probe reads its hidden "
+                             "states)")
         self.cfg = cfg
         self.worker_id = cfg.resolved_worker_id()
         self.cost = CostModel.load(cfg.profile)
         self.engine: SimEngine | VllmEngine | HfEngine | None = None
         self.tok: TextTokenizer | None = None
+        self.refiner = None  # services.worker.refiner.Refiner with --probe-model (hf)
         self.bus: Bus | None = None
         self.live: dict[str, _Live] = {}
         self.kv_seq = 0
         self._wake = asyncio.Event()
         self._subs: list = []
+        # The sim engine's clock: model seconds, wall / time_scale (engine/pacing.py).
+        self.pacer = Pacer(cfg.time_scale)
         self._accepting = True
 
     # ------------------------------------------------------------------ intake
@@ -164,12 +171,18 @@ class WorkerService:
         GenerateDoneEvent messages are put on ``sink`` (``req.reply_to`` is unused)."""
         return self._submit(req, sink)
 
+    def engine_now(self) -> float:
+        """The engine's clock: model seconds for the sim backend, else monotonic seconds."""
+        return self.pacer.now() if isinstance(self.engine, SimEngine) else time.monotonic()
+
     def reset_cache(self) -> bool:
         """Drop the engine's prefix cache (False while requests run, as vLLM and SGLang
         refuse); the AllBlocksCleared event reaches the scheduler with the next step's."""
         if not isinstance(self.engine, SimEngine) or self.live:
             return False
         ok = self.engine.reset_cache()
+        if ok:  # a flush starts a benchmark point: count its step lag afresh
+            self.pacer.reset_lag()
         self._wake.set()  # the idle engine loop publishes the pending KV events
         return ok
 
@@ -213,7 +226,7 @@ class WorkerService:
                 ereq.sample_key
         self.live[req.request_id] = live
         if isinstance(self.engine, SimEngine):
-            self.engine.add(ereq, time.monotonic())
+            self.engine.add(ereq, self.pacer.now())
         self._wake.set()
         return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
 
@@ -223,7 +236,7 @@ class WorkerService:
 
     def _abort(self, request_id: str) -> None:
         if self.live.pop(request_id, None) is not None:
-            self.engine.abort(request_id, time.monotonic())
+            self.engine.abort(request_id, self.engine_now())
             FINISHED.labels(self.worker_id, "abort").inc()
             self._wake.set()
 
@@ -234,7 +247,7 @@ class WorkerService:
                    if live.deadline and now >= live.deadline]
         for rid, live in expired:
             del self.live[rid]
-            self.engine.abort(rid, time.monotonic())
+            self.engine.abort(rid, self.engine_now())
             FINISHED.labels(self.worker_id, "deadline").inc()
             try:
                 await self._deliver(live, GenerateDoneEvent(
@@ -324,25 +337,28 @@ class WorkerService:
         return self.tok.decode([token_id], skip_special_tokens=False)
 
     async def _engine_loop(self) -> None:
-        """Run steps back to back while there is work; each lasts its modelled GPU time.
+        """Run steps back to back while there is work; each lasts its modelled GPU time
+        (times ``time_scale`` in wall time).
 
-        Steps are scheduled on an absolute timeline (the next starts when the previous
-        ends, or now if idle), so publishing overhead does not stretch simulated time.
+        Steps are scheduled on an absolute timeline in model seconds (the next starts when
+        the previous ends, or now if idle), so publishing overhead does not stretch
+        simulated time; a wake-up later than planned does, and is counted as step lag.
         """
-        gpu_free_at = time.monotonic()
+        pacer = self.pacer
+        gpu_free_at = pacer.now()
         while True:
-            now = time.monotonic()
+            now = pacer.now()
             start = max(now, gpu_free_at)
             plan = self.engine.plan_step(start)
             if plan is None:
                 await self._publish_kv(self.engine.take_kv_events())
                 self._wake.clear()
                 await self._wake.wait()
-                gpu_free_at = time.monotonic()
+                gpu_free_at = pacer.now()
                 continue
             gpu_free_at = start + plan.duration
-            delay = gpu_free_at - time.monotonic()
-            await asyncio.sleep(max(delay, 0.0))
+            await asyncio.sleep(pacer.sleep_for(gpu_free_at))
+            pacer.woke(gpu_free_at, plan.duration)
             outputs = self.engine.finish_step(plan, gpu_free_at)
             STEPS.labels(self.worker_id).inc()
             STEP_TIME.labels(self.worker_id).observe(plan.duration)
@@ -353,7 +369,7 @@ class WorkerService:
     async def _load_loop(self) -> None:
         while True:
             await self._expire(time.time())
-            report = load_report(self.worker_id, self.engine.stats(time.monotonic()),
+            report = load_report(self.worker_id, self.engine.stats(self.engine_now()),
                                  time.time(), self.cfg.backend, self.cfg.model, self.kv_seq)
             await self.bus.publish(self.bus.subjects.load(self.worker_id), report)
             await asyncio.sleep(self.cfg.load_interval_s)
@@ -361,6 +377,8 @@ class WorkerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
+        if self.cfg.time_scale != 1.0 and self.cfg.backend != "sim":
+            raise SystemExit("--time-scale applies to the sim backend only")
         policy = make_local_policy(self.cfg.local_policy)
         if self.cfg.backend == "vllm":
             engine = VllmEngine(VllmEngineConfig(model=self.cfg.model), policy)
@@ -375,6 +393,11 @@ class WorkerService:
             tok = await loop.run_in_executor(None, TextTokenizer.load,
                                              self.cfg.tokenizer_path or None)
             engine = HfEngine(HfEngineConfig(), policy, tok)
+            if self.cfg.probe_model:  # TRAIL refinement: probe on the engine's hidden states
+                from services.worker.refiner import attach_refiner
+
+                self.refiner = await loop.run_in_executor(None, attach_refiner, engine,
+                                                          self.cfg.probe_model)
             stack.callback(engine.close)
             await loop.run_in_executor(None, engine.load)
             self.engine = engine

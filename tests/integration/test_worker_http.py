@@ -227,3 +227,32 @@ async def test_flush_cache(http) -> None:
     async with s.post("/v1/completions", json=body) as r:
         usage = (await r.json())["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_time_scale_paces_steps_k_times_slower() -> None:
+    """A worker with ``time_scale`` 4 sleeps each step 4x its modelled time (a lower bound
+    on the wall time), reports the planned and late time in ``step_lag``, and a flush
+    starts the count afresh."""
+    port = free_port()
+    cfg = WorkerConfig(mesh=False, http_port=port, worker_id="h1", local_policy="fcfs",
+                       max_model_len=4096, time_scale=4.0)
+    async with running(WorkerService(cfg)) as worker:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+            t0 = asyncio.get_running_loop().time()
+            async with s.post("/v1/completions", json=body) as r:
+                assert r.status == 200
+            wall = asyncio.get_running_loop().time() - t0
+            # One step: the whole 96-token prompt, which samples the only output token.
+            modelled = worker.cost.step_time([(len(PROMPT), len(PROMPT))])
+            async with s.get("/server_info") as r:
+                info = await r.json()
+            assert info["time_scale"] == 4.0
+            lag = info["step_lag"]
+            assert lag["steps"] == 1
+            assert lag["planned_s"] == pytest.approx(4.0 * modelled)
+            assert wall >= 4.0 * modelled
+            async with s.post("/flush_cache") as r:
+                assert r.status == 200
+            async with s.get("/server_info") as r:
+                assert (await r.json())["step_lag"]["steps"] == 0
