@@ -148,6 +148,11 @@ class Bus:
 
         return await self._subscribed(subject, queue, on_msg)
 
+    async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]],
+                            queue: str = "") -> Subscription:
+        """Call ``cb`` with each raw message (for servers that reply later, e.g. in batches)."""
+        return await self._subscribed(subject, queue, cb)
+
     async def _subscribed(self, subject: str, queue: str,
                           cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
         # The SUB travels on this connection's write buffer; a PING/PONG round trip makes

@@ -144,11 +144,15 @@ class MeshClient:
             raise ApiError(400, "prompt tokenizes to nothing", param="prompt")
         return reply.token_ids
 
-    async def predict_length(self, request_id: str, prompt_tokens: int) -> float:
-        """Predicted output tokens, or 0 when prediction is off or unavailable."""
+    async def predict_length(self, request_id: str, token_ids: list[int]) -> float:
+        """Predicted output tokens, or 0 when prediction is off or unavailable.
+
+        The prompt goes as token ids: the predictor decodes the text its encoder reads
+        (docs/predictor.md, "Serving the predictor")."""
         if not self.predict:
             return 0.0
-        req = PredictLengthRequest(request_id=request_id, prompt_tokens=prompt_tokens)
+        req = PredictLengthRequest(request_id=request_id, prompt_tokens=len(token_ids),
+                                   token_ids=token_ids)
         try:
             reply = await self.bus.request(self.bus.subjects.predict_length, req, PREDICT_REPLY,
                                            self.timeouts.predict_s)
@@ -244,7 +248,7 @@ class MeshClient:
         """
         placed = worker_id
         deadline = deadline or time.time() + self.timeouts.request_s
-        predicted = await self.predict_length(request_id, len(token_ids))
+        predicted = await self.predict_length(request_id, token_ids)
         hashes = block_hashes(token_ids, tenant)
         lost = list(exclude)  # workers presumed dead, never routed to again
         yielded = False

@@ -1,0 +1,86 @@
+"""Serving a trained artifact: prompt token ids -> the text the encoder was trained on ->
+MiniLM (full or static) + head -> expected output tokens, for a batch of requests at once.
+
+Which text: requests carry the prompt's SmolLM2 token ids (the edge has nothing else for
+token-id prompts, and chat prompts reach it already rendered by the tokenizer service).
+The head was trained on the user's own message (train.py: the first human message, no
+chat template), so a ChatML prompt is decoded and its last user turn is what gets encoded;
+a plain prompt is encoded whole. Decoding here keeps that choice next to the artifact that
+depends on it, and costs the edge nothing.
+
+This module imports no torch at load time: ``ModelPredictor`` pulls it in when built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.tokenizer.text import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+USER_TURN = IM_START + "user\n"
+
+
+def prompt_text(tok: TextTokenizer, token_ids: Sequence[int]) -> str:
+    """The text the head reads: a ChatML prompt's last user message, else the whole prompt
+    without special tokens."""
+    raw = tok.decode(token_ids, skip_special_tokens=False)
+    start = raw.rfind(USER_TURN)
+    if start < 0:
+        return tok.decode(token_ids, skip_special_tokens=True)
+    body = raw[start + len(USER_TURN):]
+    end = body.find(IM_END)
+    return body if end < 0 else body[:end]
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> str | None:
+    """Why ``token_ids`` cannot be decoded (None when they can)."""
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            return f"token id {t} outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+class ModelPredictor:
+    """A loaded artifact's prompt encoder and head; ``predict`` blocks (run it in an executor).
+
+    The encoder mode (``full`` or ``static``) is the one the head was trained with
+    (``train_config["encoder"]`` of the artifact).
+    """
+
+    def __init__(self, folder: str | Path, threads: int = 1, tokenizer_path: str = "") -> None:
+        from services.predictor.models import PredictorArtifact, PromptEncoder
+
+        self.artifact: Any = PredictorArtifact.load(Path(folder))
+        self.mode = str(self.artifact.train_config.get("encoder", "full"))
+        self.encoder: Any = PromptEncoder(threads=threads, mode=self.mode)
+        if self.encoder.dim != self.artifact.embed_dim:
+            raise ValueError(f"artifact expects {self.artifact.embed_dim}-d embeddings, "
+                             f"the encoder gives {self.encoder.dim}")
+        self.tok = TextTokenizer.load(tokenizer_path or None)
+        log.info("predictor artifact %s loaded (%s encoder, %d bins)", folder, self.mode,
+                 self.artifact.bins.num_bins)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids accepted in requests are below this."""
+        return self.tok.vocab_size
+
+    def texts(self, prompts: Sequence[Sequence[int]]) -> list[str]:
+        """Encoder input for each prompt."""
+        return [prompt_text(self.tok, ids) for ids in prompts]
+
+    def predict(self, prompts: Sequence[Sequence[int]]) -> list[float]:
+        """Expected output tokens of each prompt (one encoder and head pass for all)."""
+        from services.predictor.models import predict_proba
+        from services.predictor.trail import expected_length
+
+        if not prompts:
+            return []
+        probs = predict_proba(self.artifact.head, self.encoder.encode(self.texts(prompts)))
+        return [float(x) for x in expected_length(probs, self.artifact.bins)]
