@@ -1,0 +1,100 @@
+"""TRAIL's in-process refinement on the hf engine ([ml] extra): the numpy probe matches the
+torch one, and refined predictions reach sprpt_limited as decode steps go by."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from services.predictor.models import predict_proba  # noqa: E402
+from services.predictor.trail import LengthBins  # noqa: E402
+from services.tokenizer.text import TextTokenizer  # noqa: E402
+from services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E402
+from services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
+from services.worker.local import make_local_policy  # noqa: E402
+from services.worker.refiner import Refiner, attach_refiner, seed_distribution  # noqa: E402
+from shared.messages import SamplingParams  # noqa: E402
+from tests.ml.tiny_artifact import HIDDEN, LAYER, TOKENS_PER_UPDATE, build  # noqa: E402
+
+pytestmark = [pytest.mark.ml, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("refiner") / "tiny"
+    build(folder, encoder="static")
+    return folder
+
+
+def test_numpy_probe_matches_torch(artifact: Path) -> None:
+    from services.predictor.models import PredictorArtifact
+
+    art = PredictorArtifact.load(artifact)
+    refiner = Refiner.load(artifact)
+    x = np.random.default_rng(1).normal(size=(5, HIDDEN)).astype(np.float32) * 3
+    np.testing.assert_allclose(refiner.probe.proba(x), predict_proba(art.probe, x),
+                               rtol=1e-4, atol=1e-6)
+    assert refiner.layer == LAYER and refiner.every == TOKENS_PER_UPDATE
+
+
+def test_seed_distribution() -> None:
+    bins = LengthBins.make(4, 400)
+    np.testing.assert_allclose(seed_distribution(bins, 0.0), [0.25] * 4)
+    seed = seed_distribution(bins, 250.0)
+    assert seed.sum() == pytest.approx(1.0) and seed.argmax() == 2
+
+
+async def test_refinement_reaches_sprpt_limited(artifact: Path) -> None:
+    tok = TextTokenizer.load()
+    policy = make_local_policy("sprpt_limited")
+    engine = HfEngine(HfEngineConfig(num_blocks=64), policy, tok)
+    refiner = attach_refiner(engine, artifact)
+    assert engine.cfg.hidden_layer == LAYER and engine.on_hidden is not None
+    await asyncio.get_running_loop().run_in_executor(None, engine.load)
+    seen: list[tuple[int, float, float]] = []  # (tokens out, remaining passed, refined_output)
+    update = engine.update_prediction
+
+    def spy(request_id: str, remaining: float) -> bool:
+        ok = update(request_id, remaining)
+        req = next(iter(engine._requests.values()))
+        seen.append((req.num_output_tokens, remaining, req.refined_output))
+        return ok
+
+    refiner.update = spy
+    done: dict[str, StepOutput] = {}
+
+    async def emit(out: StepOutput, text: str) -> None:
+        if out.finished:
+            done[out.request_id] = out
+
+    async def publish(events: list) -> None:
+        return None
+
+    task = asyncio.create_task(engine.run(emit, publish))
+    try:
+        req = EngineRequest(request_id="r", prompt_token_ids=tok.encode("Once upon a time"),
+                            max_tokens=13, predicted_output=100.0)
+        engine.add(req, time.monotonic(),
+                   SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
+        while "r" not in done:
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        engine.close()
+    # Readings before tokens 1, 3, 5, ..., 13: every TOKENS_PER_UPDATE tokens.
+    assert [n for n, _, _ in seen] == list(range(1, 14, TOKENS_PER_UPDATE))
+    assert refiner.calls == 13 and refiner.readings == len(seen)
+    # The policy holds each refinement: tokens out + the remaining tokens predicted.
+    for n, remaining, refined in seen:
+        assert refined == pytest.approx(n + remaining)
+    assert len({round(r, 6) for _, _, r in seen}) > 1  # it moves over decode steps
+    assert policy.remaining(req) == pytest.approx(max(seen[-1][2] - 13, 0.0))
