@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loadgen.results import RequestResult
+from loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, Refiner, TrailPredictions
 from loadgen.workloads import WorkloadRequest
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
@@ -47,9 +48,17 @@ class ClusterConfig:
     drain_limit_s: float = 600.0
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     engine_config: SimEngineConfig | None = None
-    # Output-length predictions on requests, for sprpt_limited: "none", or "oracle" (the
-    # workload's real output length as predicted_output).
+    # Output-length predictions on requests, for sprpt_limited: "none"; "oracle" (the
+    # workload's real output length as predicted_output); "initial" or "refined" (the
+    # trained TRAIL predictor's outputs from ``trail``, see loadgen/trail_preds.py).
     predictions: str = "none"
+    trail: TrailPredictions | None = None
+
+    def __post_init__(self) -> None:
+        if self.predictions not in PREDICTION_MODES:
+            raise ValueError(f"predictions must be one of {PREDICTION_MODES}")
+        if self.predictions in TRAIL_MODES and self.trail is None:
+            raise ValueError(f"predictions={self.predictions!r} needs the predictor's outputs")
 
 
 @dataclass(slots=True)
@@ -79,6 +88,7 @@ class ClusterSim:
         self.engines = {w: SimEngine(self.cost, make_local_policy(cfg.local_policy),
                                      cfg.engine_config) for w in self.workers}
         self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
+        self.refiner = Refiner() if cfg.predictions == "refined" else None
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
 
@@ -94,6 +104,20 @@ class ClusterSim:
         self.plans[w] = plan
         if plan is not None:
             self._push(now + plan.duration, _STEP, w)
+
+    def _prediction(self, rid: str, req: WorkloadRequest) -> float:
+        """``predicted_output`` of a new request (0: none); follows it for refinement."""
+        mode = self.cfg.predictions
+        if mode == "oracle":
+            return float(req.output_len or req.max_tokens)
+        if mode not in TRAIL_MODES:
+            return 0.0
+        p = self.cfg.trail.requests.get(req.prefix_id)
+        if p is None:
+            raise ValueError(f"no prediction for {req.prefix_id!r}")
+        if self.refiner is not None:
+            self.refiner.attach(rid, p)
+        return p.initial
 
     def run(self, requests: Sequence[WorkloadRequest], arrivals: Sequence[float]) -> SimRun:
         """Simulate; returns one RequestResult per request, in input order."""
@@ -143,15 +167,17 @@ class ClusterSim:
                     max_tokens=max(req.max_tokens, req.output_len, 1),
                     output_len=req.output_len or req.max_tokens, tenant=req.tenant,
                     block_hashes=hashes, batch_id=req.batch_id,
-                    predicted_output=float(req.output_len or req.max_tokens)
-                    if self.cfg.predictions == "oracle" else 0.0), now)
+                    predicted_output=self._prediction(rid, req)), now)
                 self._kick(d.worker_id, now)
             elif kind == _STEP:
                 w = payload
                 engine = self.engines[w]
                 plan, self.plans[w] = self.plans[w], None
                 steps += 1
-                for out in engine.finish_step(plan, now, finished_only=True):
+                finished = engine.finish_step(plan, now, finished_only=True)
+                if self.refiner is not None:
+                    self.refiner.after_step(engine, plan.requests)
+                for out in finished:
                     if not out.finished:
                         continue
                     r = out.request

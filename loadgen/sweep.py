@@ -12,6 +12,7 @@ from loadgen.cluster_sim import ClusterConfig, ClusterSim
 from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
 from loadgen.policy_variants import parse_variant, split_variants
 from loadgen.results import summarize
+from loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, TrailPredictions, trail_requests
 from loadgen.workloads import WorkloadRequest
 from services.scheduler.policies import POLICY_NAMES
 from services.worker.local import LOCAL_POLICIES
@@ -34,29 +35,44 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
     return row
 
 
+# Local policies that never read predictions: one run each, whatever --predictions lists.
+PREDICTION_BLIND = frozenset({"fcfs"})
+
+
 def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Sequence[str],
           local_policies: Sequence[str], profile: str, duration_s: float,
-          progress: bool = True, predictions: str = "none") -> list[dict]:
-    """Every (rate, policy, local policy) point over the same seeded requests and arrivals.
+          progress: bool = True, predictions: str | Sequence[str] = "none",
+          trail: TrailPredictions | None = None) -> list[dict]:
+    """Every (rate, policy, local policy, predictions) point over the same seeded requests
+    and arrivals.
 
     ``policies`` are variant texts (``e2:th_bal=inf``, see ``loadgen.policy_variants``).
+    With ``trail`` (the trained predictor's outputs) the requests are the ``sharegpt``
+    conversations it predicted (``loadgen.trail_preds``).
     """
     variants = [parse_variant(p) for p in policies]
+    modes = [predictions] if isinstance(predictions, str) else list(predictions)
     count = max(1, round(max(rates) * duration_s))
-    requests = spec.requests(count)
+    if trail is not None:
+        if spec.workload != "sharegpt":
+            raise ValueError("the predictor's outputs are for the sharegpt workload")
+        requests = trail_requests(trail, count, spec.seed)
+    else:
+        requests = spec.requests(count)
     rows = []
     for rate in rates:
         n = max(1, round(rate * duration_s))
         arrivals = spec.times(rate, n)
         for v in variants:
-            for local in local_policies:
+            for local, mode in [(lp, m) for lp in local_policies
+                                for m in (modes[:1] if lp in PREDICTION_BLIND else modes)]:
                 cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=local,
                                     profile=profile, policy_config=v.config,
-                                    predictions=predictions)
+                                    predictions=mode, trail=trail)
                 row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label)
                 rows.append(row)
                 if progress:
-                    print(f"  {spec.workload} rate={rate:g} {v.label}/{local}: "
+                    print(f"  {spec.workload} rate={rate:g} {v.label}/{local} ({mode}): "
                           f"avg {row['latency_avg_s']:.3f}s p99 {row['latency_p99_s']:.3f}s "
                           f"hit {row['cache_hit_ratio']:.1%} failed {row['failed']} "
                           f"({row['wall_s']:.1f}s wall)", file=sys.stderr, flush=True)
@@ -77,9 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-policies", default="prefix_fair",
                    help=f"local policies: {', '.join(LOCAL_POLICIES)}")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
-    p.add_argument("--predictions", default="none", choices=("none", "oracle"),
-                   help="output-length predictions on requests (for sprpt_limited): none, "
-                   "or oracle = each request's real output length")
+    p.add_argument("--predictions", default="none",
+                   help="output-length predictions on requests (for sprpt_limited), one or "
+                   "a comma list of: none; oracle = each request's real output length; "
+                   "initial / refined = the trained predictor's (needs --predictions-file)")
+    p.add_argument("--predictions-file", type=Path, default=None,
+                   help="the predictor's outputs (prefixmesh predictor eval --preds); the "
+                   "sharegpt requests are then the conversations it predicted")
     p.add_argument("--duration", type=float, default=120.0,
                    help="seconds of arrivals per run (requests = rate x duration)")
     p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
@@ -99,9 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [p for p in locals_ if p not in LOCAL_POLICIES]
     if bad:
         raise SystemExit(f"unknown policy: {', '.join(bad)}")
+    modes = parse_names(args.predictions)
+    bad = [m for m in modes if m not in PREDICTION_MODES]
+    if bad:
+        raise SystemExit(f"unknown predictions: {', '.join(bad)}")
+    if any(m in TRAIL_MODES for m in modes) != (args.predictions_file is not None):
+        raise SystemExit("--predictions initial/refined and --predictions-file go together")
+    trail = None if args.predictions_file is None else TrailPredictions.load(
+        args.predictions_file)
     rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
                  policies, locals_, args.profile, args.duration,
-                 predictions=args.predictions)
+                 predictions=modes, trail=trail)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"runs": rows}, indent=1))
     print(f"wrote {len(rows)} runs to {args.json}")

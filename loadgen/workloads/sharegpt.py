@@ -83,14 +83,32 @@ def _turn_cache() -> _TurnCache:
     return _TurnCache()
 
 
+def conversation_requests(indices: list[int], tenant: str = "") -> list[WorkloadRequest | None]:
+    """The request of each conversation (index into the first-turn list), or None where
+    the length filter rejects it."""
+    cache = _turn_cache()
+    head = (chat_open("system") + encode(SMOLLM2_DEFAULT_SYSTEM_PROMPT) + chat_close()
+            + chat_open("user"))
+    tail = chat_close() + assistant_open()
+    out: list[WorkloadRequest | None] = [None] * len(indices)
+    ok = [k for k, i in enumerate(indices) if cache.may_pass(i)]
+    for k, turn in zip(ok, cache.get([indices[k] for k in ok])):
+        n_prompt = len(head) + len(turn.prompt) + len(tail)
+        if (n_prompt < MIN_TOKENS or turn.reply < MIN_TOKENS
+                or n_prompt > MAX_PROMPT_TOKENS or n_prompt + turn.reply > MAX_TOTAL_TOKENS):
+            continue
+        out[k] = WorkloadRequest(
+            prompt=head + turn.prompt + tail, max_tokens=turn.reply,
+            prefix_id=f"conv{indices[k]}", output_len=turn.reply, tenant=tenant,
+            shared_tokens=len(head))
+    return out
+
+
 def build(count: int, seed: int, opts: SharegptOptions) -> list[WorkloadRequest]:
     """``count`` ShareGPT first turns as token ids."""
     cache = _turn_cache()
     order = list(range(len(cache.texts)))
     random.Random(stable_seed("sharegpt", seed)).shuffle(order)
-    head = (chat_open("system") + encode(SMOLLM2_DEFAULT_SYSTEM_PROMPT) + chat_close()
-            + chat_open("user"))
-    tail = chat_close() + assistant_open()
     out: list[WorkloadRequest] = []
     pos = 0
     while len(out) < count:
@@ -103,15 +121,10 @@ def build(count: int, seed: int, opts: SharegptOptions) -> list[WorkloadRequest]
         # Tokenize a little more than needed at once: about 90% of those pass the filter.
         chunk = order[pos: pos + max(64, (count - len(out)) * 9 // 8)]
         pos += len(chunk)
-        chunk = [i for i in chunk if cache.may_pass(i)]
-        for i, turn in zip(chunk, cache.get(chunk)):
-            n_prompt = len(head) + len(turn.prompt) + len(tail)
-            if (n_prompt < MIN_TOKENS or turn.reply < MIN_TOKENS
-                    or n_prompt > MAX_PROMPT_TOKENS or n_prompt + turn.reply > MAX_TOTAL_TOKENS):
+        for req in conversation_requests(chunk, opts.tenant):
+            if req is None:
                 continue
-            out.append(WorkloadRequest(
-                prompt=head + turn.prompt + tail, max_tokens=turn.reply, prefix_id=f"conv{i}",
-                output_len=turn.reply, tenant=opts.tenant, shared_tokens=len(head)))
+            out.append(req)
             if len(out) == count:
                 break
     return out

@@ -11,6 +11,16 @@ update so one noisy step cannot swing the estimate:
     posterior = prior * current / sum(...)  (current: the probe's softmax at this step)
     estimate  = sum(posterior * bin centres) (tokens)
 
+That update treats every reading as independent evidence, so after n readings the
+posterior weighs each of them equally and grows stiff. An optional forgetting factor
+``f`` in [0, 1] tempers the carried-over belief before the new reading is folded in,
+
+    posterior = (T @ previous)^f * current / sum(...)
+
+so a reading k updates old weighs ``f^k`` in log space (an effective memory of about
+``1 / (1 - f)`` readings). ``f = 1`` is TRAIL's update (the default); ``f = 0`` keeps only
+the current reading.
+
 ``T`` follows from the bin widths: every generated token lowers the remaining length by one,
 so between two updates ``k`` tokens apart a request in bin ``i`` (width ``w_i``) moves down
 one bin with probability ``min(1, k / w_i)`` and stays otherwise; bin 0 absorbs.
@@ -104,15 +114,21 @@ def transition_matrix(bins: LengthBins, tokens_per_update: float = 1.0) -> np.nd
     return t
 
 
-def bayes_update(previous: np.ndarray, current: np.ndarray, transition: np.ndarray) -> np.ndarray:
-    """TRAIL's update: posterior proportional to ``(T @ previous) * current``, normalised.
+def bayes_update(previous: np.ndarray, current: np.ndarray, transition: np.ndarray,
+                 forget: float = 1.0) -> np.ndarray:
+    """TRAIL's update: posterior proportional to ``(T @ previous) * current``, normalised;
+    with ``forget`` < 1 the prior is raised to that power first (see module doc).
 
     Works on one distribution (shape ``[bins]``) or a batch (``[n, bins]``, row-wise).
     Where prior and evidence share no mass, the posterior is ``current`` itself.
     """
+    if not 0.0 <= forget <= 1.0:
+        raise ValueError("forget must be in [0, 1]")
     prev = np.asarray(previous, dtype=np.float64)
     cur = np.asarray(current, dtype=np.float64)
     prior = prev @ transition.T  # row-vector form of T @ p, batch-friendly
+    if forget != 1.0:
+        prior = prior ** forget  # 0 ** 0 = 1: with forget 0 every bin is allowed again
     post = prior * cur
     mass = post.sum(axis=-1, keepdims=True)
     ok = mass > MIN_MASS
@@ -138,9 +154,10 @@ class Smoother:
     """Per-request running posterior: seed it with the initial distribution, feed it each
     step's probe distribution, read the expected remaining tokens."""
 
-    def __init__(self, bins: LengthBins, initial: np.ndarray, tokens_per_update: float = 1.0
-                 ) -> None:
+    def __init__(self, bins: LengthBins, initial: np.ndarray, tokens_per_update: float = 1.0,
+                 forget: float = 1.0) -> None:
         self.bins = bins
+        self.forget = forget  # 1.0: TRAIL's update; below 1: tempered (module doc)
         self.transition = transition_matrix(bins, tokens_per_update)
         self.posterior = np.asarray(initial, dtype=np.float64)
         if self.posterior.shape != (bins.num_bins,):
@@ -148,5 +165,5 @@ class Smoother:
 
     def update(self, current: np.ndarray) -> float:
         """Fold in one step's distribution; return the expected remaining tokens."""
-        self.posterior = bayes_update(self.posterior, current, self.transition)
+        self.posterior = bayes_update(self.posterior, current, self.transition, self.forget)
         return float(expected_length(self.posterior, self.bins))

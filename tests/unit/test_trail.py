@@ -106,3 +106,33 @@ def test_softmax_rows_sum_to_one() -> None:
 def test_bins_round_trip() -> None:
     b = LengthBins.make(6, 300, "log")
     assert LengthBins.from_dict(b.to_dict()) == b
+
+
+def test_forgetting_update_hand_computed() -> None:
+    # prior = T @ [0.5, 0.5] = [0.55, 0.45]; forget 0.5: sqrt -> [0.741620, 0.670820];
+    # * [0.2, 0.8] = [0.148324, 0.536656]; / 0.684980 -> [0.216538, 0.783462].
+    t = transition_matrix(TWO)
+    post = bayes_update(np.array([0.5, 0.5]), np.array([0.2, 0.8]), t, forget=0.5)
+    np.testing.assert_allclose(post, [0.216538, 0.783462], atol=1e-6)
+    # TRAIL's update is forget = 1; forget = 0 keeps only the current reading.
+    np.testing.assert_allclose(bayes_update(np.array([0.5, 0.5]), np.array([0.2, 0.8]), t,
+                                            forget=1.0), [0.11 / 0.47, 0.36 / 0.47])
+    np.testing.assert_allclose(bayes_update(np.array([0.9, 0.1]), np.array([0.2, 0.8]), t,
+                                            forget=0.0), [0.2, 0.8])
+    with pytest.raises(ValueError):
+        bayes_update(np.array([0.5, 0.5]), np.array([0.2, 0.8]), t, forget=1.5)
+
+
+def test_forgetting_smoother_follows_evidence_faster() -> None:
+    # Three readings for bin 0 after a confident bin-1 start: the tempered posterior moves
+    # further toward bin 0 than TRAIL's (which multiplies in the whole history).
+    stiff = Smoother(TWO, np.array([0.01, 0.99]))
+    loose = Smoother(TWO, np.array([0.01, 0.99]), forget=0.5)
+    for _ in range(3):
+        a = stiff.update(np.array([0.7, 0.3]))
+        b = loose.update(np.array([0.7, 0.3]))
+    assert b < a
+    # By hand, first reading: prior = [0.01 + 0.099, 0.891] = [0.109, 0.891];
+    # TRAIL: [0.0763, 0.2673] / 0.3436 -> estimate 5 + 10 * 0.7779 = 12.779.
+    s = Smoother(TWO, np.array([0.01, 0.99]))
+    assert s.update(np.array([0.7, 0.3])) == pytest.approx(5 + 10 * 0.2673 / 0.3436, abs=1e-4)
