@@ -46,6 +46,36 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> str | None:
     return None
 
 
+class StaticEncoder:
+    """``PromptEncoder(mode="static")``'s embeddings, computed for serving latency: MiniLM's
+    Rust tokenizer called directly (truncated to the encoder's limit, no padding, no
+    tensors built per prompt), then one ``embedding_bag`` mean over the word embeddings,
+    which never materialises the ``[batch, tokens, dim]`` tensor. Same output as
+    ``PromptEncoder.encode`` in static mode (tests/ml/test_predictor_service.py)."""
+
+    def __init__(self, encoder: Any) -> None:
+        from tokenizers import Tokenizer
+
+        # A private copy: truncation is set once here, not per call on the shared one.
+        self.tokenizer = Tokenizer.from_str(encoder.tokenizer.backend_tokenizer.to_str())
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(encoder.max_tokens)
+        self.weight = encoder.model.embeddings.word_embeddings.weight.detach()
+        self.dim = int(self.weight.shape[1])
+
+    def encode(self, texts: list[str]) -> Any:
+        """``[len(texts), dim]`` float32 numpy embeddings."""
+        import numpy as np
+        import torch
+
+        ids = [e.ids for e in self.tokenizer.encode_batch_fast(texts)]
+        offsets = torch.tensor([0, *np.cumsum([len(x) for x in ids[:-1]])], dtype=torch.long)
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long)
+        with torch.inference_mode():
+            out = torch.nn.functional.embedding_bag(flat, self.weight, offsets, mode="mean")
+        return out.numpy().astype(np.float32)
+
+
 class ModelPredictor:
     """A loaded artifact's prompt encoder and head; ``predict`` blocks (run it in an executor).
 
@@ -59,6 +89,8 @@ class ModelPredictor:
         self.artifact: Any = PredictorArtifact.load(Path(folder))
         self.mode = str(self.artifact.train_config.get("encoder", "full"))
         self.encoder: Any = PromptEncoder(threads=threads, mode=self.mode)
+        if self.mode == "static":
+            self.encoder = StaticEncoder(self.encoder)
         if self.encoder.dim != self.artifact.embed_dim:
             raise ValueError(f"artifact expects {self.artifact.embed_dim}-d embeddings, "
                              f"the encoder gives {self.encoder.dim}")

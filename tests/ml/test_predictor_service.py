@@ -117,3 +117,15 @@ async def test_malformed_requests_get_error_replies(bus: Bus, nats_server, prefi
         assert PREDICT_REPLY.decode(wrong_type.data).error is not None
         again = await ask(bus, "after", good)  # still serving
         assert again.error is None
+
+
+def test_static_serving_encoder_matches_the_training_encoder() -> None:
+    import numpy as np
+
+    from services.predictor.models import PromptEncoder
+    from services.predictor.serving import StaticEncoder
+
+    enc = PromptEncoder(threads=1, mode="static")
+    texts = SHORT[:3] + [LONG[0] * 40, "", "日本語のテキスト"]
+    np.testing.assert_allclose(StaticEncoder(enc).encode(texts), enc.encode(texts),
+                               rtol=1e-5, atol=1e-6)
