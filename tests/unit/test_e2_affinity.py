@@ -111,3 +111,82 @@ def test_decode_pressure_steers_long_outputs_off_slow_stepping_workers() -> None
         picks = {p.route(req(f"r{j}", toks(50 + j, 4), out=2000.0, max_tokens=4096), 0.1 * j).worker_id
                  for j in range(8)}
         assert ("w0" not in picks) is avoid
+
+
+# --------------------------------------------------------------------------- in-flight aging
+
+
+def test_inflight_aging_recharges_a_generation_that_outlives_its_estimate() -> None:
+    for factor in (2.0, 0.0):
+        p = make(2, PolicyConfig(inflight_aging=factor))
+        d = p.route(req("long", toks(7, 4), out=10.0, max_tokens=4096), 0.0)
+        w = d.worker_id
+        entry = p.window.by_rid["long"]
+        prefill = entry.cost - entry.dt_tok * 10.0
+        charged = p.worker_state(w).L
+        for i in range(2):
+            _report(p, f"w{i}", 0.05, 0.0)
+        # 1 s at 50 ms steps: ~20 tokens produced, more than the 10 charged.
+        p.tick(1.0)
+        produced = (1.0 - prefill) / 0.05
+        if factor:
+            assert entry.out_est == pytest.approx(factor * produced)
+            assert p.worker_state(w).L == pytest.approx(
+                charged + entry.dt_tok * (factor * produced - 10.0))
+        else:
+            assert entry.out_est == 10.0 and p.worker_state(w).L == pytest.approx(charged)
+        # The completion record still sets the exact charge.
+        from shared.messages import RequestDoneEvent
+
+        p.on_done(RequestDoneEvent(request_id="long", worker_id=w, prompt_tokens=64,
+                                   cached_tokens=0, completion_tokens=30), 1.5)
+        assert p.worker_state(w).L == pytest.approx(prefill + entry.dt_tok * 30)
+
+
+def test_inflight_aging_steers_new_work_off_a_worker_busy_with_long_generations() -> None:
+    # w0 and w1 each got two requests estimated at 10 tokens; w1's finished with 10
+    # tokens, w0's are still running 30 s later (long generations). With aging w0 costs
+    # more and the next cold request avoids it; without it, L cannot tell them apart.
+    from shared.messages import RequestDoneEvent
+
+    for factor in (2.0, 0.0):
+        p = make(2, PolicyConfig(inflight_aging=factor, imbalance_ratio=1.1))
+        placed = {p.route(req(f"a{j}", toks(100 + j, 4), out=10.0, max_tokens=4096),
+                          0.01 * j).worker_id: f"a{j}" for j in range(4)}
+        assert len(placed) == 2
+        for j in range(4):
+            if p.window.by_rid[f"a{j}"].ws.id == "w1":
+                p.on_done(RequestDoneEvent(request_id=f"a{j}", worker_id="w1",
+                                           prompt_tokens=64, cached_tokens=0,
+                                           completion_tokens=10), 1.0)
+        for t in range(1, 31):
+            for i in range(2):
+                _report(p, f"w{i}", 0.05, float(t))
+            p.tick(float(t))
+        l0, l1 = p.worker_state("w0").L, p.worker_state("w1").L
+        if factor:
+            assert l0 > l1
+            assert p.route(req("n", toks(500, 4), out=10.0), 30.0).worker_id == "w1"
+        else:
+            assert l0 == pytest.approx(l1)
+
+
+# --------------------------------------------------------------------------- prefill backlog
+
+
+def test_prefill_backlog_prefers_the_worker_whose_prefill_is_behind_it() -> None:
+    # Both workers prefilled the same 2,000-block prompt inside the window, so their L is
+    # equal; w_old's ran 100 s ago, w_new's was routed just now. With the backlog term a
+    # new cold request goes to w_old; without it the two cost the same.
+    for weight in (1.0, 0.0):
+        p = make(2, PolicyConfig(prefill_backlog_weight=weight, imbalance_ratio=1.1))
+        old = p.route(req("a", toks(1, 2000), out=1.0), 0.0).worker_id
+        new = p.route(req("b", toks(2, 2000), out=1.0), 100.0).worker_id
+        assert old != new
+        assert p.worker_state(new).busy_until > 100.0 >= p.worker_state(old).busy_until
+        costs = {w: p.price.cost(p.worker_state(w), 0, 64) for w in (old, new)}
+        if weight:
+            assert costs[new] > costs[old]
+            assert p.route(req("c", toks(3, 4), out=1.0), 100.01).worker_id == old
+        else:
+            assert costs[new] == pytest.approx(costs[old])

@@ -83,6 +83,16 @@ class PolicyConfig:
     # 8 req/s but not its p99, and raised embodied's p99 13% at 80 req/s (the step time
     # in a 0.25 s report is too noisy to steer short requests by).
     decode_step_weight: float = 0.0
+    # In-flight aging: a request still running after producing (by the worker's reported
+    # step time) more tokens than L charged it is recharged at this multiple of what it
+    # has produced, on every tick; 0 turns it off. L otherwise sees a long generation
+    # only once it has finished.
+    inflight_aging: float = 0.0
+    # Prefill backlog in the load cost: + this x the seconds until the prefills already
+    # routed to the worker would be done, run back to back from their assignment. L is
+    # the work of the whole window H; this is the part still ahead of a new request. 0
+    # turns it off.
+    prefill_backlog_weight: float = 0.0
 
     # ---------------------------------------------------------------- E2 replication
     # A node carrying at least this fraction of its worker's window requests is a hot

@@ -71,6 +71,7 @@ class E2Policy:
         self._now = 0.0
         self._rebase = False
         self.price = LoadCost(self.tree, self.tables)
+        self.price.backlog_weight = config.prefill_backlog_weight
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
@@ -81,6 +82,7 @@ class E2Policy:
         self._affinity = config.affinity_prefill_slack
         self._affinity_sat = config.affinity_saturated_ratio
         self._step_weight = config.decode_step_weight
+        self._aging = config.inflight_aging
 
     # ------------------------------------------------------------------ membership
 
@@ -173,6 +175,7 @@ class E2Policy:
             out = req.max_tokens
         price = self.price
         price.node, price.path, price.out = node, None, out  # start pricing this request
+        price.now = now
         # Exploit when missed < cached, i.e. prompt - cached < cached.
         if d is not root and prompt < 2 * depth * block:
             ws, kind, got = self._exploit(workers, node, m, d, depth, prompt)
@@ -369,6 +372,7 @@ class E2Policy:
         if over > 0:
             tree.evict_lru(w, over, protect=leaf)
         prefill = self.tables.pt(prompt - got * self.block)
+        ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
         self.window.add(now, ws, leaf, req.request_id, prefill, prompt, out)
 
     # ------------------------------------------------------------------ feedback
@@ -399,6 +403,8 @@ class E2Policy:
         ws.report_ts = now
         ws.pd_used = False
         ws.step_s = self._step_weight * report.avg_step_s
+        ws.avg_step_s = report.avg_step_s
+        ws.avg_queue_s = report.avg_queue_s
         if report.decode_share > self.cfg.imbalance_ratio:
             self._decode_heavy.add(ws.id)
         else:
@@ -417,6 +423,8 @@ class E2Policy:
         """Window expiry, overload detection, hot-prefix replication and shrinking."""
         self._clock(now)
         self.window.expire(now)
+        if self._aging > 0:
+            self.window.age(now, self._aging)
         self.tree.maintain()
         half = self.cfg.window_s / 2
         for ws in self._ws.values():

@@ -6,6 +6,11 @@
   through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
   most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
 - ``P``: ``PT(tokens of R not cached on the worker)``.
+- Prefill backlog (added to ``L``; not in DESIGN.md's formula, off by default): weight x
+  the seconds until the prefills already routed to the worker would be done, run one
+  after another from their assignment (``WorkerState.busy_until``). ``L`` is work over
+  the whole window, so a worker that prefilled a long prompt two minutes ago and one
+  that started one a second ago look alike; only the second delays R now.
 - Decode pressure (added to ``L``; not in DESIGN.md's formula): R's expected output tokens
   x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
   prices decode as the marginal cost of one more sequence in a batch, which makes a worker
@@ -33,6 +38,9 @@ class LoadCost:
         self.path: set[Node] | None = None
         # Output tokens expected of the request being priced (decode pressure).
         self.out = 0.0
+        # Prefill backlog term: weight x (worker's busy_until - now) when positive.
+        self.backlog_weight = 0.0
+        self.now = 0.0
 
     def begin(self, node: Node) -> None:
         """Start pricing a request whose match ends in ``node``."""
@@ -47,7 +55,10 @@ class LoadCost:
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
         missing = prompt - cached_blocks * self.block
-        return ws.L + ws.step_s * self.out + self.tables.pt(missing) + self.evict_cost(ws, missing)
+        c = ws.L + ws.step_s * self.out + self.tables.pt(missing) + self.evict_cost(ws, missing)
+        if self.backlog_weight and ws.busy_until > self.now:
+            c += self.backlog_weight * (ws.busy_until - self.now)
+        return c
 
     def evict_cost(self, ws: WorkerState, missing: int) -> float:
         """M for fitting ``missing`` more tokens on ``ws``; 0 while they fit in free capacity."""
@@ -88,10 +99,13 @@ class LoadCost:
         p_of: dict[int, float] = {}  # P by cached blocks: most workers share a few values
         bounds = []
         out = self.out
+        bw, now = self.backlog_weight, self.now
         for ws, got in zip(workers, cached):
             p = p_of.get(got)
             if p is None:
                 p = p_of[got] = pt(prompt - got * block)
+            if bw and ws.busy_until > now:
+                p += bw * (ws.busy_until - now)
             bounds.append(ws.L + ws.step_s * out + p)
         first = bounds.index(min(bounds))
         best_i = first

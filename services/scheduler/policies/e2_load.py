@@ -83,6 +83,9 @@ class WorkerState:
         "report_ts",
         "pd_used",
         "step_s",
+        "avg_step_s",
+        "avg_queue_s",
+        "busy_until",
         "queue",
         "alive",
     )
@@ -102,6 +105,13 @@ class WorkerState:
         # Mean engine step (s) in its latest fresh load report, times decode_step_weight:
         # what each output token of a request routed there waits (0: no report).
         self.step_s = 0.0
+        # Latest load report's mean engine step and mean queueing time (s), unweighted
+        # (in-flight aging: how many tokens a request running there has produced by now).
+        self.avg_step_s = 0.0
+        self.avg_queue_s = 0.0
+        # Prefill backlog: when the prefills routed here would be done if the worker ran
+        # them one after another from their assignment (s, the policy's clock).
+        self.busy_until = 0.0
         self.queue = QueueTrend()
         # False once the worker left (its requests may still sit in the window).
         self.alive = True
@@ -218,6 +228,38 @@ class LoadWindow:
                 e.ws is light if delta > 0 else e.ws.L < light.L
             ):
                 self.light = None if delta > 0 else e.ws
+
+    def age(self, now: float, factor: float) -> None:
+        """Raise the output charged to requests that are still running past it.
+
+        ``L`` charges a request the window's mean output until its completion record
+        arrives, so a worker busy with a few very long generations looks as cheap as one
+        with short ones for their whole life (and dear only after they finished, while
+        they stay in the window). A request assigned ``a`` seconds ago to a worker whose
+        steps take ``s`` seconds and whose queue holds requests ``q`` seconds has produced
+        about ``(a - q - its prefill) / s`` tokens; once that exceeds the charged output,
+        the charge becomes ``factor`` x it (a generation that already ran long is
+        expected to run about as long again). O(requests in flight).
+        """
+        light = self.light
+        for e in self.by_rid.values():
+            ws = e.ws
+            step = ws.avg_step_s
+            if step <= 0.0 or not ws.alive:
+                continue
+            run_s = now - e.t - ws.avg_queue_s - (e.cost - e.dt_tok * e.out_est)
+            produced = run_s / step
+            if produced <= e.out_est:
+                continue
+            new = factor * produced
+            delta = e.dt_tok * (new - e.out_est)
+            e.cost += delta
+            e.out_est = new
+            ws.L += delta
+            if ws is light:
+                light = self.light = None
+            if self.journal is not None:
+                self.journal.append(e)
 
     def avg_output(self) -> float:
         """Mean completion tokens over the window (0 when none finished yet)."""
