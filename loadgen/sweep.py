@@ -70,6 +70,7 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
                                     profile=profile, policy_config=v.config,
                                     predictions=mode, trail=trail)
                 row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label)
+                row["seed"] = spec.seed
                 rows.append(row)
                 if progress:
                     print(f"  {spec.workload} rate={rate:g} {v.label}/{local} ({mode}): "
