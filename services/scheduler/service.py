@@ -103,6 +103,9 @@ class SchedulerService:
         self.instance_id = uuid.uuid4().hex[:12]
         self.active = False
         self.lease: Lease | None = None
+        # The lease loop; drain() stops it first, so that a stopping instance never takes
+        # back the lease it is about to release (nor, as standby, one it would not serve).
+        self._lease_task: asyncio.Task | None = None
         self.last_seen: dict[str, float] = {}
         # Per worker: last KV batch sequence number, a sequence number a load report named
         # that we had not seen yet, and when we last asked it for a resync (monotonic s).
@@ -380,7 +383,7 @@ class SchedulerService:
                 await self._activate()
             else:
                 log.info("scheduler %s standing by (lease held elsewhere)", self.instance_id)
-            tasks.spawn(self._lease_loop(), "scheduler-lease")
+            self._lease_task = tasks.spawn(self._lease_loop(), "scheduler-lease")
         tasks.spawn(self._tick_loop(), "scheduler-tick")
         tasks.spawn(self._persist_loop(), "scheduler-persist")
         tasks.spawn(self._stats_loop(), "scheduler-stats")
@@ -392,6 +395,9 @@ class SchedulerService:
         self._load_sub = None
 
     async def drain(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            await asyncio.gather(self._lease_task, return_exceptions=True)
         if not self.active:
             return
         try:

@@ -155,3 +155,23 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
     finally:
         redis_proc.stop()
         await bus.close()
+
+
+async def test_a_draining_scheduler_does_not_take_its_lease_back(nats_server, redis_server,
+                                                                  prefix):
+    """drain() releases the lease for the standby; the lease loop must not re-take it in the
+    moments before the process exits (it would keep the standby waiting a whole TTL)."""
+    cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
+                          redis_prefix=prefix, load_interval_s=LOAD_INTERVAL_S,
+                          persist_interval_s=0.1, lease_ttl_s=0.6)
+    sched = SchedulerService(cfg)
+    client = aioredis.from_url(redis_server)
+    try:
+        async with running(sched):
+            assert await client.get(sched.lease_key) == sched.instance_id.encode()
+            await sched.drain()
+            assert await client.get(sched.lease_key) is None
+            await asyncio.sleep(5 * cfg.lease_ttl_s / 3)  # five lease-loop periods
+            assert await client.get(sched.lease_key) is None
+    finally:
+        await client.aclose()
