@@ -12,6 +12,12 @@ most ``S`` seconds with no failed request (the max rate under a p99 SLO).
 
 Rows are keyed by policy label and local policy; a run with failed (unfinished) requests
 is marked, because its latency figures cover only the requests that completed.
+
+Several seeds of the same point (rows with different ``seed``, e.g. one file per
+``prefixmesh sim --seed S``) are combined: average, p99 and hit ratio are the means over
+the seeds (failed: the sum), the window and ratios are read from those means, and the
+tables add each seed's p99 and in how many seeds the policy had the lowest p99 of the
+point. A rate counts only for the policies that ran every seed the baseline ran there.
 """
 
 from __future__ import annotations
@@ -32,12 +38,43 @@ def _key(r: dict) -> str:
     return f"{r['policy']}/{local}" if local else str(r["policy"])
 
 
-def panels(runs: Sequence[dict]) -> dict[Panel, dict[str, dict[float, dict]]]:
-    """(workload, gpus) -> policy key -> rate -> row (the last row wins on duplicates)."""
-    out: dict[Panel, dict[str, dict[float, dict]]] = defaultdict(lambda: defaultdict(dict))
-    for r in runs:
-        out[(str(r["workload"]), int(r["gpus"]))][_key(r)][float(r["rate"])] = r
+def combine(by_seed: dict) -> dict:
+    """One row standing for several seeds' rows of one point (means; failed summed)."""
+    rows = [by_seed[k] for k in sorted(by_seed, key=str)]
+    if len(rows) == 1:
+        return rows[0]
+    n = len(rows)
+    out = dict(rows[0])
+    for f in ("latency_avg_s", "latency_p99_s", "cache_hit_ratio"):
+        out[f] = sum(r[f] for r in rows) / n
+    out["failed"] = sum(r["failed"] for r in rows)
+    out["seeds"] = [r.get("seed") for r in rows]
+    out["p99_by_seed"] = [r["latency_p99_s"] for r in rows]
     return out
+
+
+def panels(runs: Sequence[dict]) -> dict[Panel, dict[str, dict[float, dict]]]:
+    """(workload, gpus) -> policy key -> rate -> row; rows of several seeds of one point
+    are combined (``combine``); the last row wins on duplicates of one seed."""
+    raw: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for r in runs:
+        raw[(str(r["workload"]), int(r["gpus"]))][_key(r)][float(r["rate"])][r.get("seed")] = r
+    out: dict[Panel, dict[str, dict[float, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for panel, by_policy in raw.items():
+        for k, by_rate in by_policy.items():
+            for rate, by_seed in by_rate.items():
+                out[panel][k][rate] = combine(by_seed)
+    return out
+
+
+def _lowest_counts(rows: Sequence[tuple[str, dict]]) -> dict[str, int]:
+    """Per policy key: in how many seeds its p99 was the lowest of ``rows``."""
+    seeds = rows[0][1].get("seeds") or []
+    wins = dict.fromkeys((k for k, _ in rows), 0)
+    for i in range(len(seeds)):
+        best = min(rows, key=lambda kr: kr[1]["p99_by_seed"][i])
+        wins[best[0]] += 1
+    return wins
 
 
 def knee_window(curve: dict[float, dict], low: float, high: float) -> tuple[float, list[float]]:
@@ -79,17 +116,27 @@ def knee_report(runs: Sequence[dict], baseline: str, low: float, high: float) ->
                    + (f"; knee = {window[-1]:g} req/s" if window else "") + "\n")
         for rate in window:
             b = curve[rate]
-            out.append(f"rate {rate:g} req/s:\n")
+            seeds = b.get("seeds")
+            rows = [(k, c[rate]) for k, c in by_policy.items()
+                    if rate in c and c[rate].get("seeds") == seeds]
+            out.append(f"rate {rate:g} req/s"
+                       + (f", mean of seeds {', '.join(map(str, seeds))}" if seeds else "")
+                       + ":\n")
+            extra = " p99 s by seed | lowest p99 in seeds |" if seeds else ""
             out.append("| policy | avg s | p99 s | hit | failed | avg x (base/policy) "
-                       "| p99 x (base/policy) |")
-            out.append("|---|---|---|---|---|---|---|")
-            rows = [(k, c[rate]) for k, c in by_policy.items() if rate in c]
+                       "| p99 x (base/policy) |" + extra)
+            out.append("|---|---|---|---|---|---|---|" + ("---|---|" if seeds else ""))
+            wins = _lowest_counts(rows) if seeds else {}
             for k, r in sorted(rows, key=lambda kr: kr[1]["latency_p99_s"]):
                 avg_x = b["latency_avg_s"] / r["latency_avg_s"] if r["latency_avg_s"] else 0
                 p99_x = b["latency_p99_s"] / r["latency_p99_s"] if r["latency_p99_s"] else 0
-                out.append(f"| {k} | {r['latency_avg_s']:.3f} | {r['latency_p99_s']:.3f} | "
-                           f"{r['cache_hit_ratio']:.1%} | {r['failed']} | {avg_x:.2f} | "
-                           f"{p99_x:.2f} |")
+                line = (f"| {k} | {r['latency_avg_s']:.3f} | {r['latency_p99_s']:.3f} | "
+                        f"{r['cache_hit_ratio']:.1%} | {r['failed']} | {avg_x:.2f} | "
+                        f"{p99_x:.2f} |")
+                if seeds:
+                    line += (f" {' / '.join(f'{x:.2f}' for x in r['p99_by_seed'])} | "
+                             f"{wins[k]} of {len(seeds)} |")
+                out.append(line)
             out.append("")
     return "\n".join(out)
 

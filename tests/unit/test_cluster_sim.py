@@ -148,3 +148,24 @@ def test_knee_window_and_max_rate_under_an_slo() -> None:
     text = knee_report(runs, "round_robin", 2.0, 5.0)
     assert "knee = 4 req/s" in text
     assert "| e2/fcfs | 1.500 | 3.000 | 50.0% | 0 | 2.00 | 3.00 |" in text
+
+
+def test_knee_report_combines_seeds_into_means() -> None:
+    from loadgen.knee import knee_report, panels
+
+    def row(policy: str, rate: float, seed: int, p99: float, avg: float) -> dict:
+        return {"policy": policy, "local_policy": "fcfs", "workload": "w", "gpus": 4,
+                "rate": rate, "seed": seed, "latency_p99_s": p99, "latency_avg_s": avg,
+                "failed": 0, "cache_hit_ratio": 0.5}
+
+    runs = [row("round_robin", 1, 0, 2.0, 1.0), row("round_robin", 1, 1, 4.0, 1.0),
+            row("round_robin", 4, 0, 10.0, 3.0), row("round_robin", 4, 1, 14.0, 5.0),
+            row("e2", 4, 0, 3.0, 1.0), row("e2", 4, 1, 5.0, 2.0),
+            row("weighted", 4, 0, 2.0, 1.0), row("weighted", 4, 1, 8.0, 2.0)]
+    curve = panels(runs)[("w", 4)]["round_robin/fcfs"]
+    assert curve[1.0]["latency_p99_s"] == 3.0 and curve[4.0]["p99_by_seed"] == [10.0, 14.0]
+    text = knee_report(runs, "round_robin", 2.0, 5.0)
+    assert "knee = 4 req/s" in text and "mean of seeds 0, 1" in text
+    # e2: mean p99 4.0 (3 / 5), lowest in seed 1; weighted: mean 5.0, lowest in seed 0.
+    assert "| e2/fcfs | 1.500 | 4.000 | 50.0% | 0 | 2.67 | 3.00 | 3.00 / 5.00 | 1 of 2 |" in text
+    assert "| weighted/fcfs | 1.500 | 5.000 | 50.0% | 0 | 2.67 | 2.40 | 2.00 / 8.00 | 1 of 2 |" in text
