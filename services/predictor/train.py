@@ -1,16 +1,24 @@
-"""``prefixmesh predictor train|eval``: TRAIL's predictors on ShareGPT, with SmolLM2 lengths.
+"""``prefixmesh predictor collect|train|eval``: TRAIL's predictors on ShareGPT, SmolLM2 lengths.
 
-train: seeded split of ShareGPT first turns (prompt = first human message as a chat prompt,
-length = the first gpt reply in SmolLM2 tokens, plus its end token); MiniLM embeddings of
-the prompts train the head; the reply is teacher-forced through SmolLM2 after the prompt
-and the hidden states of several layers at every ``stride``-th reply position train one
-probe per layer; the layer with the lowest validation MAE (20% of train) wins and its probe
-is retrained on all of train. Saves the artifact folder (models.PredictorArtifact).
+Data (services/predictor/data.py): a seeded order of ShareGPT first exchanges, optionally
+filtered as the ``sharegpt`` workload filters them. With ``--split test-first`` (new
+artifacts) the first ``--test`` samples are held out and the next ``--train`` train, so the
+test set does not move when the training set grows; ``train-first`` is the older layout.
+
+collect: teacher-force the samples through SmolLM2 and cache their hidden states (the slow
+part), test split first; ``train`` and ``eval`` then read the cache.
+
+train: MiniLM embeddings of the prompts train the head (epochs chosen on a validation 20%
+of the training requests); one probe per candidate layer is trained on the other 80% of the
+training requests' readings and scored on the 20%; the best layer wins. The Bayesian
+update's forgetting factor is TRAIL's 1.0 unless ``--forget auto`` chooses it on the same
+validation requests. The head and the chosen probe are then retrained on all of train.
 
 eval: on the held-out split, MAE (tokens) of the head's initial prediction, and per decode
-step of TRAIL's refined prediction (probe + Bayesian update seeded with the head's
+step of the refined prediction (probe + Bayesian update seeded with the head's
 distribution) against the true remaining length; plus the head's latency on batches of 32
-prompts. Writes ``{"mae_bert", "mae_refined", "mae_by_step": [...], "test_requests", ...}``.
+prompts. Writes ``{"mae_bert", "mae_refined", "mae_by_step": [...], "test_requests", ...}``
+and, with ``--preds``, every request's predictions (for ``prefixmesh sim --predictions``).
 """
 
 from __future__ import annotations
@@ -18,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from services.predictor.data import SAMPLE_FILTERS, Sample, collect_hidden, load_samples
 from services.predictor.trail import (
     BIN_SPACINGS,
     DEFAULT_MAX_TOKENS,
@@ -37,83 +44,63 @@ from services.predictor.trail import (
 log = logging.getLogger(__name__)
 
 DEFAULT_LAYERS = "4,8,12,16,20,24,28"
-STEP_BUCKET = 64  # tokens per mae_by_step bucket
+STEP_BUCKET = 64  # tokens per mae_by_step bucket (default)
 LATENCY_BATCH = 32
 LATENCY_REPEATS = 20
+SPLITS = ("train-first", "test-first")
+# Head epochs tried on the validation requests (the head is small; its data is one row per
+# request, so the best count depends on the training set's size).
+HEAD_EPOCHS = (20, 60, 150, 400)
+# Forgetting factors tried by ``--forget auto`` (1.0 is TRAIL's update).
+FORGET_GRID = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.3, 0.0)
+VALIDATION_SHARE = 0.2
 
 
-@dataclass
-class Sample:
-    """One conversation's first exchange."""
-
-    prompt: str
-    prompt_ids: list[int]  # chat prompt in SmolLM2 tokens (truncated)
-    reply_ids: list[int]  # reply + end token in SmolLM2 tokens (untruncated)
-
-    @property
-    def length(self) -> int:
-        return len(self.reply_ids)
+def split_samples(cfg: dict, tok, n_test: int | None = None) -> tuple[list[Sample], list[Sample]]:
+    """(train, test) samples of a training config (same seed, filter and sizes)."""
+    n_train, n_test = cfg["train"], n_test or cfg["test"]
+    samples = load_samples(n_train + n_test, cfg["seed"], cfg["max_prompt"], tok,
+                           cfg.get("filter", "none"))
+    if cfg.get("split", "train-first") == "test-first":
+        return samples[n_test:], samples[:n_test]
+    return samples[:n_train], samples[n_train:]
 
 
-def load_samples(n: int, seed: int, max_prompt: int, tok) -> list[Sample]:
-    """``n`` first exchanges of ShareGPT in a seeded random order."""
-    from loadgen.workloads.sources import sharegpt_conversations
-    from shared.messages import ChatMessage
+def _cache(cfg: dict) -> Path | None:
+    return Path(cfg["cache"]) if cfg.get("cache") else None
 
-    convs = [c for c in sharegpt_conversations()
-             if len(c) >= 2 and c[0][0] == "human" and c[1][0] == "gpt"
-             and c[0][1].strip() and c[1][1].strip()]
-    random.Random(seed).shuffle(convs)
-    out = []
-    for conv in convs[:n]:
-        prompt, reply = conv[0][1], conv[1][1]
-        ids = tok.encode_chat([ChatMessage(role="user", content=prompt)])
-        if len(ids) > max_prompt:  # keep the head and the generation prompt's tail
-            ids = ids[: max_prompt - 8] + ids[-8:]
-        out.append(Sample(prompt, ids, tok.encode(reply, add_special_tokens=False)
-                          + [tok.eos_token_id]))
+
+def refine(initial: np.ndarray, probs: np.ndarray, owner: np.ndarray, bins: LengthBins,
+           stride: int, forget: float) -> np.ndarray:
+    """Refined remaining-length estimate at every reading (rows of ``probs``, grouped by
+    ``owner`` in step order), each request's smoother seeded with ``initial[owner]``."""
+    out = np.empty(len(probs))
+    for i in np.unique(owner):
+        sm = Smoother(bins, initial[i], stride, forget)
+        for j in np.flatnonzero(owner == i):
+            out[j] = sm.update(probs[j])
     return out
 
 
-def reply_steps(s: Sample, stride: int, max_reply: int) -> list[int]:
-    """Decode steps ``t`` (reply tokens already generated) at which the probe is read."""
-    return list(range(0, min(s.length, max_reply), stride))
+def _mae(pred: np.ndarray, target: np.ndarray) -> float:
+    return float(np.mean(np.abs(np.asarray(pred) - target)))
 
 
-def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_reply: int,
-                   threads: int) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
-    """Teacher-force each reply through SmolLM2: per layer ``[rows, hidden]`` states at the
-    sampled steps, with each row's step and sample index."""
-    import torch
+def collect(args: argparse.Namespace) -> dict:
+    """Teacher-force test then train samples into the cache."""
+    from services.tokenizer.text import TextTokenizer
 
-    from services.worker.engine.hf_model import load_model
-
-    model = load_model("", threads)
-    per_layer: dict[int, list[np.ndarray]] = {k: [] for k in layers}
-    steps, owner = [], []
-    t0 = time.perf_counter()
-    for i, s in enumerate(samples):
-        ts = reply_steps(s, stride, max_reply)
-        fed = s.prompt_ids + s.reply_ids[: max(ts) if ts else 0]
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([fed]), output_hidden_states=True,
-                        logits_to_keep=1)
-        pos = [len(s.prompt_ids) - 1 + t for t in ts]
-        for k in layers:
-            per_layer[k].append(out.hidden_states[k][0, pos].numpy())
-        steps.extend(ts)
-        owner.extend([i] * len(ts))
-        if (i + 1) % 25 == 0:
-            log.info("teacher-forced %d/%d (%.0f s)", i + 1, len(samples),
-                     time.perf_counter() - t0)
-    return ({k: np.concatenate(v) for k, v in per_layer.items()},
-            np.asarray(steps), np.asarray(owner))
-
-
-def _mae_expected(model, x: np.ndarray, target: np.ndarray, bins: LengthBins) -> float:
-    from services.predictor.models import predict_proba
-
-    return float(np.mean(np.abs(expected_length(predict_proba(model, x), bins) - target)))
+    cfg = vars(args)
+    train_s, test_s = split_samples(cfg, TextTokenizer.load())
+    layers = [int(x) for x in args.layers.split(",")]
+    out = {}
+    for name, part in (("test", test_s), ("train", train_s)):
+        t0 = time.perf_counter()
+        _, steps, _ = collect_hidden(part, layers, args.stride, args.max_reply, args.threads,
+                                     Path(args.cache))
+        out[name] = {"requests": len(part), "readings": len(steps),
+                     "seconds": round(time.perf_counter() - t0, 1)}
+    return out
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -124,133 +111,193 @@ def train(args: argparse.Namespace) -> dict:
         PredictorArtifact,
         PromptEncoder,
         mlp,
+        predict_proba,
         train_classifier,
     )
     from services.tokenizer.text import TextTokenizer
 
+    cfg = {k: v for k, v in vars(args).items() if k not in ("func", "out", "verb", "json")}
     tok = TextTokenizer.load()
     bins = LengthBins.make(args.bins, args.max_tokens, args.spacing)
-    samples = load_samples(args.train + args.test, args.seed, args.max_prompt, tok)
-    train_s = samples[: args.train]  # the test split is samples[args.train:]
+    train_s, _ = split_samples(cfg, tok)
     lengths = np.array([s.length for s in train_s])
+    n_fit = int((1 - VALIDATION_SHARE) * len(train_s))  # validation: the last 20%
     enc = PromptEncoder(threads=args.threads, mode=args.encoder)
     emb = enc.encode_many([s.prompt for s in train_s])
-    head = train_classifier(emb, bins.bin_of(lengths), mlp(enc.dim, HEAD_HIDDEN, bins.num_bins),
-                            args.epochs, args.seed)
+
+    def fit_head(rows: slice, epochs: int):
+        return train_classifier(emb[rows], bins.bin_of(lengths[rows]),
+                                mlp(enc.dim, HEAD_HIDDEN, bins.num_bins), epochs, args.seed)
+
+    val = slice(n_fit, None)
+    head_val = {e: _mae(expected_length(predict_proba(fit_head(slice(0, n_fit), e), emb[val]),
+                                        bins), lengths[val]) for e in HEAD_EPOCHS}
+    head_epochs = min(head_val, key=head_val.get)
+    log.info("head validation MAE by epochs %s: %d chosen", head_val, head_epochs)
+    head_fit = fit_head(slice(0, n_fit), head_epochs)
+
     layers = [int(x) for x in args.layers.split(",")]
     hidden, steps, owner = collect_hidden(train_s, layers, args.stride, args.max_reply,
-                                          args.threads)
+                                          args.threads, _cache(cfg))
     remaining = lengths[owner] - steps
-    fit = owner < int(0.8 * len(train_s))  # validation: the last 20% of requests
-    val_mae = {}
+    fit = owner < n_fit
+    val_mae, val_probe = {}, {}
     for k in layers:
         x = hidden[k]
-        probe = train_classifier(x[fit], bins.bin_of(remaining[fit]),
-                                 mlp(x.shape[1], PROBE_HIDDEN, bins.num_bins),
-                                 args.epochs, args.seed)
-        val_mae[k] = _mae_expected(probe, x[~fit], remaining[~fit], bins)
+        val_probe[k] = train_classifier(x[fit], bins.bin_of(remaining[fit]),
+                                        mlp(x.shape[1], PROBE_HIDDEN, bins.num_bins),
+                                        args.epochs, args.seed)
+        val_mae[k] = _mae(expected_length(predict_proba(val_probe[k], x[~fit]), bins),
+                          remaining[~fit])
         log.info("layer %d: validation MAE %.1f tokens", k, val_mae[k])
     best = min(val_mae, key=val_mae.get)
-    probe = train_classifier(hidden[best], bins.bin_of(remaining),
+    # Forgetting factor on the validation requests (head and probe trained without them).
+    init_val = predict_proba(head_fit, emb)  # rows of validation requests are used below
+    probs_val = predict_proba(val_probe[best], hidden[best][~fit])
+    forget_val = {f: _mae(refine(init_val, probs_val, owner[~fit], bins, args.stride, f),
+                          remaining[~fit]) for f in FORGET_GRID}
+    forget = (min(forget_val, key=forget_val.get) if args.forget == "auto"
+              else float(args.forget))
+    log.info("refined validation MAE by forgetting factor %s: %.2f used", forget_val, forget)
+    head = fit_head(slice(None), head_epochs)
+    probe = train_classifier(hidden[best].astype(np.float32), bins.bin_of(remaining),
                              mlp(hidden[best].shape[1], PROBE_HIDDEN, bins.num_bins),
                              args.epochs, args.seed)
-    cfg = {k: v for k, v in vars(args).items() if k not in ("func", "out", "verb", "json")}
+    scores = {"layer_val_mae": {str(k): round(v, 2) for k, v in val_mae.items()},
+              "head_epochs_val_mae": {str(k): round(v, 2) for k, v in head_val.items()},
+              "head_epochs": head_epochs,
+              "forget_val_mae": {str(k): round(v, 2) for k, v in forget_val.items()},
+              "forget": forget}
     art = PredictorArtifact(bins, enc.dim, hidden[best].shape[1], best, float(args.stride),
-                            cfg, {"layer_val_mae": {str(k): round(v, 2)
-                                                    for k, v in val_mae.items()}},
-                            head, probe)
+                            cfg, scores, head, probe)
     art.save(Path(args.out))
     return art.describe()
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    """Score an artifact on its held-out split (same seed and sizes as training)."""
+    """Score an artifact on its held-out split (same seed, filter and sizes as training)."""
     from services.predictor.models import PredictorArtifact, PromptEncoder, predict_proba
     from services.tokenizer.text import TextTokenizer
 
     art = PredictorArtifact.load(Path(args.model))
     tc = art.train_config
-    tok = TextTokenizer.load()
-    n_train, n_test = tc["train"], args.test or tc["test"]
-    samples = load_samples(n_train + n_test, tc["seed"], tc["max_prompt"], tok)[n_train:]
+    _, samples = split_samples(tc, TextTokenizer.load(), args.test or None)
     bins, stride = art.bins, int(art.tokens_per_update)
+    forget = float(art.scores.get("forget", 1.0))
     enc = PromptEncoder(threads=tc["threads"], mode=tc["encoder"])
     initial = predict_proba(art.head, enc.encode_many([s.prompt for s in samples]))
     lengths = np.array([s.length for s in samples])
     init_pred = expected_length(initial, bins)
     hidden, steps, owner = collect_hidden(samples, [art.layer], stride, tc["max_reply"],
-                                          tc["threads"])
-    probs = predict_proba(art.probe, hidden[art.layer])
-    rows = []  # (step, |bert|, |refined|, |probe alone|)
-    for i, s in enumerate(samples):
-        sm = Smoother(bins, initial[i], stride)
-        for j in np.flatnonzero(owner == i):  # in step order
-            t, true = steps[j], s.length - steps[j]
-            refined = sm.update(probs[j])
-            rows.append((t, abs(max(init_pred[i] - t, 0.0) - true), abs(refined - true),
-                         abs(expected_length(probs[j], bins) - true)))
-    r = np.array(rows)
+                                          tc["threads"], _cache(tc))
+    probs = predict_proba(art.probe, hidden[art.layer].astype(np.float32))
+    true = lengths[owner] - steps
+    err = {"bert": np.abs(np.maximum(init_pred[owner] - steps, 0.0) - true),
+           "refined": np.abs(refine(initial, probs, owner, bins, stride, forget) - true),
+           "trail": np.abs(refine(initial, probs, owner, bins, stride, 1.0) - true),
+           "probe_only": np.abs(expected_length(probs, bins) - true)}
+    bucket = args.bucket
     by_step = []
-    for lo in range(0, int(tc["max_reply"]), STEP_BUCKET):
-        m = (r[:, 0] >= lo) & (r[:, 0] < lo + STEP_BUCKET)
+    for lo in range(0, int(tc["max_reply"]), bucket):
+        m = (steps >= lo) & (steps < lo + bucket)
         if m.any():
-            by_step.append({"from": lo, "to": lo + STEP_BUCKET, "n": int(m.sum()),
-                            "mae_bert": round(float(r[m, 1].mean()), 2),
-                            "mae_refined": round(float(r[m, 2].mean()), 2),
-                            "mae_probe_only": round(float(r[m, 3].mean()), 2)})
-    return {
-        "mae_bert": round(float(np.mean(np.abs(init_pred - lengths))), 2),
-        "mae_refined": round(float(r[:, 2].mean()), 2),
-        "mae_bert_same_steps": round(float(r[:, 1].mean()), 2),
+            by_step.append({"from": lo, "to": lo + bucket, "n": int(m.sum()),
+                            **{f"mae_{k}": round(float(v[m].mean()), 2)
+                               for k, v in err.items()}})
+    result = {
+        "mae_bert": round(_mae(init_pred, lengths), 2),
+        "mae_refined": round(float(err["refined"].mean()), 2),
+        "mae_refined_trail_update": round(float(err["trail"].mean()), 2),
+        "mae_bert_same_steps": round(float(err["bert"].mean()), 2),
+        "mae_probe_only": round(float(err["probe_only"].mean()), 2),
+        "mae_refined_request_mean": round(float(np.mean(
+            [err["refined"][owner == i].mean() for i in np.unique(owner)])), 2),
+        "forget": forget,
         "mae_by_step": by_step,
         "test_requests": len(samples),
-        "steps_scored": len(rows),
+        "steps_scored": int(len(steps)),
+        "mean_length": round(float(lengths.mean()), 1),
         "layer": art.layer,
-        "latency_batch32_ms": _latency(enc, art, [s.prompt for s in samples]),
         "artifact": art.describe(),
     }
+    result["ratio_bert_over_refined"] = round(result["mae_bert"] / result["mae_refined"], 3)
+    if args.latency_repeats:
+        result["latency_batch32_ms"] = _latency(enc, art, [s.prompt for s in samples],
+                                                args.latency_repeats)
+    if args.preds is not None:
+        refined = refine(initial, probs, owner, bins, stride, forget)
+        preds = {f"conv{s.conv}": {
+            "length": s.length, "initial": round(float(init_pred[i]), 1),
+            "steps": steps[owner == i].tolist(),
+            "remaining": [round(float(x), 1) for x in refined[owner == i]]}
+            for i, s in enumerate(samples)}
+        args.preds.parent.mkdir(parents=True, exist_ok=True)
+        args.preds.write_text(json.dumps({"forget": forget, "stride": stride,
+                                          "requests": preds}) + "\n")
+    return result
 
 
-def _latency(enc, art, prompts: list[str]) -> dict:
+def _latency(enc, art, prompts: list[str], repeats: int) -> dict:
     """Initial prediction (tokenize + encode + head) on batches of 32 prompts, in ms."""
     from services.predictor.models import predict_proba
 
     times = []
-    for r in range(LATENCY_REPEATS):
+    for r in range(repeats):
         batch = [prompts[(r * LATENCY_BATCH + i) % len(prompts)] for i in range(LATENCY_BATCH)]
         t0 = time.perf_counter()
         predict_proba(art.head, enc.encode(batch))
         times.append((time.perf_counter() - t0) * 1e3)
     return {"p50": round(float(np.percentile(times, 50)), 2),
             "p99": round(float(np.percentile(times, 99)), 2),
-            "batches": LATENCY_REPEATS}
+            "batches": repeats}
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    """Arguments that pick the samples and their hidden states (collect and train)."""
+    p.add_argument("--train", type=int, default=160, help="training conversations")
+    p.add_argument("--test", type=int, default=80, help="held-out conversations (for eval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filter", choices=SAMPLE_FILTERS, default="none",
+                   help="vllm: keep the conversations the sharegpt workload keeps")
+    p.add_argument("--split", choices=SPLITS, default="train-first",
+                   help="test-first: the held-out set stays fixed as --train grows")
+    p.add_argument("--layers", default=DEFAULT_LAYERS, help="SmolLM2 layers to try")
+    p.add_argument("--stride", type=int, default=8, help="decode tokens between probe readings")
+    p.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept")
+    p.add_argument("--max-reply", type=int, default=512, help="reply tokens teacher-forced")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: OpenMP threads contend on a shared 2-core box)")
+    p.add_argument("--cache", default="", help="folder caching teacher-forced hidden states")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """``prefixmesh predictor`` arguments."""
     ap = argparse.ArgumentParser(prog="prefixmesh predictor", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
+    c = sub.add_parser("collect", help="teacher-force the samples; cache their hidden states")
+    _data_args(c)
+    c.add_argument("--json", type=Path, default=None, help="also write a summary here")
     t = sub.add_parser("train", help="train the head and the probe; save an artifact folder")
     t.add_argument("--out", required=True, help="artifact folder")
-    t.add_argument("--train", type=int, default=160, help="training conversations")
-    t.add_argument("--test", type=int, default=80, help="held-out conversations (for eval)")
-    t.add_argument("--seed", type=int, default=0)
+    _data_args(t)
     t.add_argument("--bins", type=int, default=DEFAULT_NUM_BINS)
     t.add_argument("--max-tokens", type=float, default=DEFAULT_MAX_TOKENS,
                    help="upper edge of the last bin (tokens)")
     t.add_argument("--spacing", choices=BIN_SPACINGS, default="linear")
-    t.add_argument("--layers", default=DEFAULT_LAYERS, help="SmolLM2 layers to try")
-    t.add_argument("--stride", type=int, default=8, help="decode tokens between probe readings")
-    t.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept")
-    t.add_argument("--max-reply", type=int, default=512, help="reply tokens teacher-forced")
-    t.add_argument("--epochs", type=int, default=60)
+    t.add_argument("--epochs", type=int, default=60, help="probe training epochs")
+    t.add_argument("--forget", default="1.0",
+                   help="Bayesian update's forgetting factor: 1.0 is TRAIL's; auto: chosen "
+                        "on the validation requests")
     t.add_argument("--encoder", choices=("full", "static"), default="full")
-    t.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: OpenMP threads contend on a shared 2-core box)")
     t.add_argument("--json", type=Path, default=None, help="also write the config here")
     e = sub.add_parser("eval", help="score an artifact on its held-out split")
     e.add_argument("--model", required=True, help="artifact folder")
     e.add_argument("--test", type=int, default=0, help="held-out conversations (0 = as trained)")
+    e.add_argument("--bucket", type=int, default=STEP_BUCKET, help="decode steps per bucket")
+    e.add_argument("--latency-repeats", type=int, default=LATENCY_REPEATS,
+                   help="batches of 32 timed (0: skip)")
+    e.add_argument("--preds", type=Path, default=None,
+                   help="write every test request's predictions here (for the simulator)")
     e.add_argument("--json", type=Path, required=True, help="write the scores here")
     return ap
 
@@ -259,7 +306,8 @@ def main(argv: list[str]) -> int:
     """Entry point of ``prefixmesh predictor``."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    result = train(args) if args.verb == "train" else evaluate(args)
+    verbs = {"collect": collect, "train": train, "eval": evaluate}
+    result = verbs[args.verb](args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,168 @@
+"""Training data of the TRAIL predictors: ShareGPT first exchanges and SmolLM2 hidden states.
+
+A sample is one conversation's first exchange: the first human message as a SmolLM2 chat
+prompt, and the first gpt reply in SmolLM2 tokens plus its end token. Conversations are
+numbered as the ``sharegpt`` workload numbers them (``conv{i}`` is its ``prefix_id``), so
+predictions made here can be attached to that workload's requests in the simulator.
+
+Hidden states come from teacher forcing: the prompt (truncated) and the reply go through
+SmolLM2 in one forward pass and the states of several layers are read at every
+``stride``-th reply position. That pass is the expensive part (about a second per
+conversation on one CPU thread), so it can be cached: chunks of samples go to ``.npz``
+files named by a hash of what they hold, and a later run with the same samples and settings
+reads them back instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Sample filters: "none" keeps every first exchange; "vllm" keeps those the ``sharegpt``
+# workload keeps (vLLM benchmark_serving's ShareGPT filter: prompt and reply at least 4
+# tokens, prompt at most 1,024, together at most 2,048).
+SAMPLE_FILTERS = ("none", "vllm")
+# Samples per cached chunk of hidden states.
+CACHE_CHUNK = 25
+# Hidden states are cached as float16 (the probe standardises its inputs; half precision
+# loses nothing it can use and halves the cache).
+CACHE_DTYPE = np.float16
+
+
+@dataclass
+class Sample:
+    """One conversation's first exchange."""
+
+    conv: int  # index in the sharegpt workload's conversation list (prefix_id "conv{i}")
+    prompt: str
+    prompt_ids: list[int]  # chat prompt in SmolLM2 tokens (truncated)
+    reply_ids: list[int]  # reply + end token in SmolLM2 tokens (untruncated)
+
+    @property
+    def length(self) -> int:
+        return len(self.reply_ids)
+
+
+def first_exchanges() -> list[tuple[str, str]]:
+    """(human, gpt) first turns of ShareGPT, in the order the sharegpt workload numbers them."""
+    from loadgen.workloads.sources import sharegpt_conversations
+
+    return [(c[0][1], c[1][1]) for c in sharegpt_conversations()
+            if len(c) >= 2 and c[0][0] == "human" and c[1][0] == "gpt"
+            and c[0][1].strip() and c[1][1].strip()]
+
+
+def load_samples(n: int, seed: int, max_prompt: int, tok, sample_filter: str = "none"
+                 ) -> list[Sample]:
+    """The first ``n`` first exchanges passing ``sample_filter``, in a seeded random order
+    (the same seed gives the same list, so train and test splits are slices of it)."""
+    from shared.messages import ChatMessage
+
+    if sample_filter not in SAMPLE_FILTERS:
+        raise ValueError(f"sample filter must be one of {SAMPLE_FILTERS}")
+    from loadgen.workloads.sharegpt import MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS
+
+    pairs = first_exchanges()
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    out = []
+    for i in order:
+        if len(out) == n:
+            break
+        prompt, reply = pairs[i]
+        ids = tok.encode_chat([ChatMessage(role="user", content=prompt)])
+        reply_ids = tok.encode(reply, add_special_tokens=False)
+        if sample_filter == "vllm" and (
+                len(ids) < MIN_TOKENS or len(reply_ids) < MIN_TOKENS
+                or len(ids) > MAX_PROMPT_TOKENS or len(ids) + len(reply_ids) > MAX_TOTAL_TOKENS):
+            continue
+        if len(ids) > max_prompt:  # keep the head and the generation prompt's tail
+            ids = ids[: max_prompt - 8] + ids[-8:]
+        out.append(Sample(i, prompt, ids, reply_ids + [tok.eos_token_id]))
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} conversations pass the {sample_filter!r} filter")
+    return out
+
+
+def reply_steps(s: Sample, stride: int, max_reply: int) -> list[int]:
+    """Decode steps ``t`` (reply tokens already generated) at which the probe is read."""
+    return list(range(0, min(s.length, max_reply), stride))
+
+
+def _chunk_key(chunk: list[Sample], layers: list[int], stride: int, max_reply: int) -> str:
+    spec = {"convs": [s.conv for s in chunk], "prompt": [len(s.prompt_ids) for s in chunk],
+            "reply": [s.length for s in chunk], "layers": layers, "stride": stride,
+            "max_reply": max_reply, "model": "smollm2-135m-instruct"}
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+
+def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_reply: int,
+                   threads: int, cache: Path | None = None
+                   ) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
+    """Teacher-force each reply through SmolLM2: per layer ``[rows, hidden]`` states at the
+    sampled steps, with each row's step and sample index (into ``samples``)."""
+    per_layer: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    steps, owner = [], []
+    model = None
+    t0 = time.perf_counter()
+    for c0 in range(0, len(samples), CACHE_CHUNK):
+        chunk = samples[c0:c0 + CACHE_CHUNK]
+        path = None if cache is None else (
+            cache / f"hidden-{_chunk_key(chunk, layers, stride, max_reply)}.npz")
+        if path is not None and path.exists():
+            with np.load(path) as z:
+                got = {k: z[f"layer{k}"] for k in layers}
+                c_steps, c_owner = z["steps"], z["owner"]
+        else:
+            if model is None:
+                from services.worker.engine.hf_model import load_model
+
+                model = load_model("", threads)
+            got, c_steps, c_owner = _teacher_force(model, chunk, layers, stride, max_reply)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp.npz")
+                np.savez(tmp, steps=c_steps, owner=c_owner,
+                         **{f"layer{k}": v for k, v in got.items()})
+                tmp.replace(path)
+        for k in layers:
+            per_layer[k].append(got[k])
+        steps.append(c_steps)
+        owner.append(c_owner + c0)
+        log.info("hidden states %d/%d (%.0f s)", min(c0 + CACHE_CHUNK, len(samples)),
+                 len(samples), time.perf_counter() - t0)
+    return ({k: np.concatenate(v) for k, v in per_layer.items()},
+            np.concatenate(steps), np.concatenate(owner))
+
+
+def _teacher_force(model, chunk: list[Sample], layers: list[int], stride: int,
+                   max_reply: int) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
+    """One forward pass per sample; states at the reply's sampled steps."""
+    import torch
+
+    per_layer: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    steps, owner = [], []
+    for i, s in enumerate(chunk):
+        ts = reply_steps(s, stride, max_reply)
+        fed = s.prompt_ids + s.reply_ids[: max(ts) if ts else 0]
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([fed]), output_hidden_states=True,
+                        logits_to_keep=1)
+        # The state at the position of token t-1 is what the model has when it samples
+        # reply token t (t = 0: the generation prompt's last token).
+        pos = [len(s.prompt_ids) - 1 + t for t in ts]
+        for k in layers:
+            per_layer[k].append(out.hidden_states[k][0, pos].numpy().astype(CACHE_DTYPE))
+        steps.extend(ts)
+        owner.extend([i] * len(ts))
+    return ({k: np.concatenate(v) for k, v in per_layer.items()},
+            np.asarray(steps, dtype=np.int32), np.asarray(owner, dtype=np.int32))
