@@ -1,4 +1,4 @@
-"""``prefixmesh predictor collect|train|eval``: TRAIL's predictors on ShareGPT, SmolLM2 lengths.
+"""``prefixmesh predictor collect|train|eval|plot``: TRAIL's predictors on ShareGPT, SmolLM2 lengths.
 
 Data (services/predictor/data.py): a seeded order of ShareGPT first exchanges, optionally
 filtered as the ``sharegpt`` workload filters them. With ``--split test-first`` (new
@@ -252,6 +252,35 @@ def _latency(enc, art, prompts: list[str], repeats: int) -> dict:
             "batches": repeats}
 
 
+def plot(args: argparse.Namespace) -> dict:
+    """PNG of an eval's MAE by decode-step bucket (TRAIL's Figure 3 layout)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ev = json.loads(Path(args.eval).read_text())
+    rows = ev["mae_by_step"]
+    x = [(r["from"] + r["to"]) / 2 for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    series = (("mae_bert", "MiniLM + head (initial, carried along)", "o-"),
+              ("mae_trail", "probe + TRAIL's update", "s-"),
+              ("mae_refined", f"probe + update, forgetting {ev['forget']:g}", "^-"),
+              ("mae_probe_only", "probe alone", "x--"))
+    for key, label, style in series:
+        if all(key in r for r in rows):
+            ax.plot(x, [r[key] for r in rows], style, label=label, markersize=4)
+    ax.set_xlabel("decode step (bucket centre, tokens)")
+    ax.set_ylabel("MAE of remaining length (tokens)")
+    ax.set_title(f"{ev['test_requests']} held-out ShareGPT requests: MAE by decode step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.png)
+    return {"png": str(args.png), "buckets": len(rows)}
+
+
 def _data_args(p: argparse.ArgumentParser) -> None:
     """Arguments that pick the samples and their hidden states (collect and train)."""
     p.add_argument("--train", type=int, default=160, help="training conversations")
@@ -299,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--preds", type=Path, default=None,
                    help="write every test request's predictions here (for the simulator)")
     e.add_argument("--json", type=Path, required=True, help="write the scores here")
+    g = sub.add_parser("plot", help="PNG of an eval's MAE by decode step")
+    g.add_argument("--eval", type=Path, required=True, help="eval JSON")
+    g.add_argument("--png", type=Path, required=True, help="write the figure here")
+    g.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -306,7 +339,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``prefixmesh predictor``."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    verbs = {"collect": collect, "train": train, "eval": evaluate}
+    verbs = {"collect": collect, "train": train, "eval": evaluate, "plot": plot}
     result = verbs[args.verb](args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
