@@ -130,32 +130,49 @@ async def _nats_rounds(url: str, prefix: str, prompts: list[list[int]], batch: i
         await bus.close()
 
 
+def _batch_sizes(port: int) -> dict:
+    """Batches the predictor answered and their mean size (its /metrics, warm-up included)."""
+    from urllib.request import urlopen
+
+    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    vals = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("prefixmesh_predictor_batch_size_count", "prefixmesh_predictor_batch_size_sum"):
+            vals[name.rsplit("_", 1)[1]] = float(value)
+    count = vals.get("count", 0.0)
+    return {"batches": int(count), "mean_size": round(vals.get("sum", 0.0) / max(count, 1), 2)}
+
+
 def bench_nats(args: argparse.Namespace) -> dict:
     """Rounds of ``batch`` concurrent requests to a predictor process over NATS."""
     from services.tokenizer.text import TextTokenizer
-    from shared.servers import ManagedProcess, child_env, start_nats
+    from shared.servers import ManagedProcess, child_env, free_port, start_nats
 
     prompts = chat_prompts(args.batch * args.batches, TextTokenizer.load())
     with tempfile.TemporaryDirectory() as tmp:
         nats, url = start_nats(log_path=Path(tmp) / "nats.log")
         prefix = f"bench{os.getpid()}"
+        metrics_port = free_port()
         svc = ManagedProcess("predictor", [sys.executable, "-m", "services.predictor"],
                              env=child_env(PM_NATS_URL=url, PM_SUBJECT_PREFIX=prefix,
                                            PM_MODEL_DIR=str(args.model),
                                            PM_THREADS=str(args.threads),
                                            PM_MAX_BATCH=str(args.batch),
                                            PM_BATCH_WAIT_MS=str(args.batch_wait_ms),
-                                           PM_METRICS_PORT="0"),
+                                           PM_METRICS_PORT=str(metrics_port)),
                              log_path=Path(args.log) if args.log else None).start()
         try:
             rounds, requests, errors = asyncio.run(_nats_rounds(
                 url, prefix, prompts, args.batch, args.batches, args.timeout))
+            batches = _batch_sizes(metrics_port)
         finally:
             svc.stop()
             nats.stop()
     return {"bench": "predictor-nats", "model": str(args.model), "batch": args.batch,
             "threads": args.threads, "batch_wait_ms": args.batch_wait_ms,
             "round": _ms(rounds), "request": _ms(requests), "errors": errors,
+            "service_batches": batches,
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
