@@ -38,6 +38,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO", help="services' log level")
     p.add_argument("--state-file", type=Path, default=None,
                    help="write the URL and child PIDs here as JSON once ready")
+    p.add_argument("--predictor-model", default="",
+                   help="trained predictor artifact folder: the predictor serves it and the "
+                   "edge asks it for every request's output length (docs/predictor.md)")
+    p.add_argument("--probe-model", default="",
+                   help="hf workers: artifact whose probe refines remaining lengths "
+                   "in-process (use with --local-policy sprpt_limited)")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -51,8 +57,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
         local_policy=args.local_policy, profile=args.profile, host=args.host, port=args.port,
         metrics_port=args.metrics_port, nats_url=args.nats_url, redis_url=args.redis_url,
         subject_prefix=args.subject_prefix, log_dir=args.log_dir, log_level=args.log_level,
+        extra_env=_predictor_env(args),
     )
     return run_up(opts, args.state_file)
+
+
+def _predictor_env(args: argparse.Namespace) -> dict[str, str]:
+    """PM_* settings of ``up --predictor-model / --probe-model`` (each read by one service)."""
+    env = {}
+    if args.predictor_model:  # PM_MODEL_DIR: the predictor's; PM_PREDICT: the edge's
+        env.update(PM_MODEL_DIR=str(Path(args.predictor_model).resolve()), PM_PREDICT="1")
+    if args.probe_model:
+        env["PM_PROBE_MODEL"] = str(Path(args.probe_model).resolve())
+    return env
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
