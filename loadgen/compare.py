@@ -29,6 +29,11 @@ simulated GPUs (client, HTTP, routers, bus) is divided by K as well, so a router
 overhead looks K times smaller: the overhead probe runs only at K = 1. Each row also
 carries the client's send lag and the workers' step lag (wall seconds), which say whether
 the machine kept up.
+
+``--clients prefixmesh,guidellm`` (with ``--guidellm PATH``) runs each point once per load
+client, the contender restarted on flushed workers for each: guidellm replays the same
+requests as a neutral cross-check (``loadgen/guidellm_client.py``); its rows are named
+``CONTENDER (guidellm)``.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from pathlib import Path
 
 import aiohttp
 
-from loadgen.options import parse_floats, parse_names
+from loadgen.guidellm_client import run_guidellm
+from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
 from loadgen.report import markdown, plot
 from services.up import LocalMesh, MeshOptions
 from shared.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
@@ -117,6 +123,15 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[pkg] = "absent"
     return out
+
+
+def guidellm_version(exe: str) -> str:
+    """``guidellm --version``'s answer, or why there is none."""
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable: {exc}"
+    return out.stdout.strip() or out.stderr.strip()
 
 
 def _get_json(url: str, timeout: float = 2.0) -> object | None:
@@ -285,6 +300,41 @@ def run_bench(url: str, model: str, c: Contender, rate: float, args: argparse.Na
     return json.loads(out.read_text())["runs"][0]
 
 
+def run_point(c: Contender, client: str, rate: float, probe_now: bool, group: WorkerGroup,
+              infra: dict[str, str], serial: int, model: str, spec: WorkloadSpec,
+              args: argparse.Namespace, workload_argv: list[str], log_dir: Path,
+              result: dict) -> dict | None:
+    """One point: flush, start ``c``, (probe,) load it with ``client``, stop it; its row,
+    or None when the contender would not start (recorded in ``meta.failures``)."""
+    group.flush()
+    try:
+        running = start_contender(c, group, infra, serial, log_dir)
+    except (RuntimeError, TimeoutError) as exc:
+        # One contender that will not start costs its point, not the run.
+        print(f"{c.name} at {rate:g}: {exc}", file=sys.stderr, flush=True)
+        result["meta"]["failures"].append({"contender": c.name, "rate": rate, "error": str(exc)})
+        return None
+    try:
+        if probe_now and client == "prefixmesh":
+            via, bare = asyncio.run(probe(running.url, group.urls[0], model))
+            result["overhead"].append({
+                "contender": c.name, "probe_p50_ms": via * 1e3, "bare_p50_ms": bare * 1e3,
+                "overhead_ms": (via - bare) * 1e3})
+        if client == "guidellm":
+            labels = {"policy": f"{c.name} (guidellm)", "local_policy": c.local_policy,
+                      "gpus": args.workers, "backend": "sim", "client": "guidellm"}
+            row = run_guidellm(args.guidellm, running.url, model, spec, rate, args.duration,
+                               args.time_scale, labels, log_dir / f"run-{serial}",
+                               log_dir / f"guidellm-{c.name}-{rate:g}.log")
+        else:
+            row = run_bench(running.url, model, c, rate, args, workload_argv,
+                            log_dir / f"run-{serial}.json", log_dir)
+    finally:
+        running.stop()
+    row.update(group.step_lag())
+    return row
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixmesh compare",
@@ -307,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default="", help="NATS to use (default: start one)")
     p.add_argument("--redis-url", default="", help="Redis to use (default: start one)")
     p.add_argument("--no-probe", action="store_true", help="skip the overhead probe")
+    p.add_argument("--clients", default="prefixmesh",
+                   help="load clients, each a separate run per point: prefixmesh (prefixmesh "
+                   "bench), guidellm (needs --guidellm)")
+    p.add_argument("--guidellm", default="", help="path of a guidellm executable (0.8.x)")
     p.add_argument("--skip-missing", action="store_true",
                    help="leave out router contenders whose package is not installed")
     p.add_argument("--json", type=Path, required=True, help="results JSON; .md and .png beside")
@@ -321,6 +375,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.time_scale > 0:
         raise SystemExit("--time-scale must be positive")
     probe_on = not args.no_probe and args.time_scale == 1.0
+    clients = parse_names(args.clients)
+    if not set(clients) <= {"prefixmesh", "guidellm"}:
+        raise SystemExit("--clients: prefixmesh and/or guidellm")
+    if "guidellm" in clients and not args.guidellm:
+        raise SystemExit("--clients guidellm needs --guidellm PATH")
+    spec_parser = argparse.ArgumentParser()
+    add_workload_args(spec_parser)
+    spec = WorkloadSpec.from_args(spec_parser.parse_args(workload_argv))
     contenders = [Contender.parse(n) for n in parse_names(args.contenders)]
     missing = {c.name: why for c in contenders if (why := available(c))}
     if missing and not args.skip_missing:
@@ -334,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict = {"runs": [], "overhead": [], "meta": {
         "command": "prefixmesh compare " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "left_out": missing, "failures": [],
-        "time_scale": args.time_scale,
+        "time_scale": args.time_scale, "clients": clients,
+        "guidellm": guidellm_version(args.guidellm) if "guidellm" in clients else "",
         "times": "model" if args.time_scale != 1.0 else "wall",
         "started": time.time()}}
     infra_procs: list[ManagedProcess] = []
@@ -358,32 +421,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for ri, rate in enumerate(rates):
                     k = ri % len(group_contenders)
                     for c in group_contenders[k:] + group_contenders[:k]:
-                        serial += 1
-                        group.flush()
-                        try:
-                            running = start_contender(c, group, infra, serial, log_dir)
-                        except (RuntimeError, TimeoutError) as exc:
-                            # One contender that will not start costs its point, not the run.
-                            print(f"{c.name} at {rate:g}: {exc}", file=sys.stderr, flush=True)
-                            result["meta"]["failures"].append(
-                                {"contender": c.name, "rate": rate, "error": str(exc)})
-                            continue
-                        try:
-                            if ri == 0 and probe_on:
-                                via, bare = asyncio.run(probe(running.url, group.urls[0],
-                                                              model))
-                                result["overhead"].append({
-                                    "contender": c.name, "probe_p50_ms": via * 1e3,
-                                    "bare_p50_ms": bare * 1e3,
-                                    "overhead_ms": (via - bare) * 1e3})
-                            row = run_bench(running.url, model, c, rate, args, workload_argv,
-                                            log_dir / f"run-{serial}.json", log_dir)
-                        finally:
-                            running.stop()
-                        row.update(group.step_lag())
-                        result["runs"].append(row)
-                        print(json.dumps(row), flush=True)
-                        args.json.write_text(json.dumps(result, indent=1))
+                        for client in clients:
+                            serial += 1
+                            row = run_point(c, client, rate, ri == 0 and probe_on, group,
+                                            infra, serial, model, spec, args, workload_argv,
+                                            log_dir, result)
+                            if row is None:
+                                continue
+                            result["runs"].append(row)
+                            print(json.dumps(row), flush=True)
+                            args.json.write_text(json.dumps(result, indent=1))
     finally:
         for p in reversed(infra_procs):
             p.stop()
