@@ -26,7 +26,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 USER_TURN = IM_START + "user\n"
 # Characters of a prompt handed to MiniLM's tokenizer, which truncates to 256 word pieces
 # anyway but would first tokenize the whole text: 16 characters per word piece. Over the
-# first 4,000 ShareGPT prompts the 255th word piece ends by character 1,654 at the latest,
+# first 4,000 ShareGPT prompts the last word piece read ends by character 1,654 at most,
 # so the cut changes nothing there; only long unbroken strings (one [UNK] per word of over
 # 100 characters) could leave fewer word pieces than the encoder would have read.
 MAX_TEXT_CHARS = 16 * 256
