@@ -129,3 +129,17 @@ def test_static_serving_encoder_matches_the_training_encoder() -> None:
     texts = SHORT[:3] + [LONG[0] * 40, "", "日本語のテキスト"]
     np.testing.assert_allclose(StaticEncoder(enc).encode(texts), enc.encode(texts),
                                rtol=1e-5, atol=1e-6)
+
+
+async def test_edge_asks_the_model_with_the_prompts_token_ids(bus: Bus, nats_server, prefix,
+                                                              artifact, tok):
+    from services.edge.pipeline import MeshClient, MeshTimeouts
+
+    cfg = PredictorConfig(nats_url=nats_server, subject_prefix=prefix, model_dir=str(artifact),
+                          length_prior="default=77")
+    async with running(PredictorService(cfg)):
+        mesh = MeshClient(bus, "edge-test", MeshTimeouts(predict_s=30.0), predict=True)
+        ids = chat(tok, LONG[1])
+        direct = await ask(bus, "d", ids)
+        assert await mesh.predict_length("e", ids) == pytest.approx(direct.predicted_tokens)
+        assert direct.predicted_tokens != 77  # the artifact answered, not the prior
