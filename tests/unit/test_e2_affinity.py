@@ -190,3 +190,27 @@ def test_prefill_backlog_prefers_the_worker_whose_prefill_is_behind_it() -> None
             assert p.route(req("c", toks(3, 4), out=1.0), 100.01).worker_id == old
         else:
             assert costs[new] == pytest.approx(costs[old])
+
+
+# --------------------------------------------------------------------------- P/D balancing
+
+
+def test_pd_balancing_skips_a_worker_still_prefilling_what_it_got_since_its_report() -> None:
+    from shared.messages import LoadReportEvent
+
+    p = make(4, PolicyConfig(imbalance_ratio=0.5))
+    for i in range(4):
+        p.on_load(LoadReportEvent(worker_id=f"w{i}", ts=0.0, decode_share=0.9 if i == 0
+                                  else 0.1), 0.0)
+    # w0 is decode-heavy by its report; the first cold request goes there ...
+    first = p.route(req("a", toks(1, 400)), 0.01)
+    assert (first.worker_id, first.kind) == ("w0", "pd_balance")
+    # A new report that still says decode-heavy (its window lags) while that prefill
+    # is under way does not make w0 a target ...
+    until = p.worker_state("w0").busy_until
+    assert until > 0.3
+    p.on_load(LoadReportEvent(worker_id="w0", ts=0.3, decode_share=0.9), 0.3)
+    assert p.route(req("b", toks(2, 400)), 0.31).kind != "pd_balance"
+    # ... once the prefill is done, a fresh report does.
+    p.on_load(LoadReportEvent(worker_id="w0", ts=until + 0.1, decode_share=0.9), until + 0.1)
+    assert p.route(req("c", toks(3, 1600)), until + 0.11).kind == "pd_balance"

@@ -86,13 +86,14 @@ class PolicyConfig:
     # In-flight aging: a request still running after producing (by the worker's reported
     # step time) more tokens than L charged it is recharged at this multiple of what it
     # has produced, on every tick; 0 turns it off. L otherwise sees a long generation
-    # only once it has finished.
-    inflight_aging: float = 0.0
+    # only once it has finished (docs/sim-results.md: programming).
+    inflight_aging: float = 2.0
     # Prefill backlog in the load cost: + this x the seconds until the prefills already
     # routed to the worker would be done, run back to back from their assignment. L is
-    # the work of the whole window H; this is the part still ahead of a new request. 0
-    # turns it off.
-    prefill_backlog_weight: float = 0.0
+    # the work of the whole window H; this is the part still ahead of a new request. With
+    # it on, P/D balancing also skips a decode-heavy worker that still has a backlog (its
+    # report's decode share lags). 0 turns both off (docs/sim-results.md: loogle).
+    prefill_backlog_weight: float = 1.0
 
     # ---------------------------------------------------------------- E2 replication
     # A node carrying at least this fraction of its worker's window requests is a hot

@@ -331,12 +331,18 @@ class E2Policy:
         return None
 
     def _pd_candidate(self, workers: Mapping[str, WorkerState], now: float) -> WorkerState | None:
-        """The lightest decode-dominated worker with a fresh, unused load report."""
+        """The lightest decode-dominated worker with a fresh, unused load report (and, with
+        ``prefill_backlog_weight`` on, no prefill backlog)."""
         stale = now - self.cfg.load_report_stale_s
+        backlog = self.price.backlog_weight > 0
         best = None
         for w in self._decode_heavy:
             ws = workers.get(w)
             if ws is None or ws.pd_used or ws.report_ts < stale:
+                continue
+            if backlog and ws.busy_until > now:
+                # Still prefilling what was routed there since (the decode share of a
+                # report lags by its window): not the spare prefill capacity it reports.
                 continue
             if best is None or ws.L < best.L:
                 best = ws
