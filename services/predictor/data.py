@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # workload keeps (vLLM benchmark_serving's ShareGPT filter: prompt and reply at least 4
 # tokens, prompt at most 1,024, together at most 2,048).
 SAMPLE_FILTERS = ("none", "vllm")
+# SmolLM2 layers whose states every cached chunk holds (the probe's candidate layers): a
+# run that asks for any of them reads the same files; others are added to the chunk.
+CACHED_LAYERS = (4, 8, 12, 16, 20, 24, 28)
 # Samples per cached chunk of hidden states.
 CACHE_CHUNK = 25
 # Hidden states are cached as float16 (the probe standardises its inputs; half precision
@@ -111,13 +114,14 @@ def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_re
     """Teacher-force each reply through SmolLM2: per layer ``[rows, hidden]`` states at the
     sampled steps, with each row's step and sample index (into ``samples``)."""
     per_layer: dict[int, list[np.ndarray]] = {k: [] for k in layers}
+    stored = sorted(set(layers) | set(CACHED_LAYERS))
     steps, owner = [], []
     model = None
     t0 = time.perf_counter()
     for c0 in range(0, len(samples), CACHE_CHUNK):
         chunk = samples[c0:c0 + CACHE_CHUNK]
         path = None if cache is None else (
-            cache / f"hidden-{_chunk_key(chunk, layers, stride, max_reply)}.npz")
+            cache / f"hidden-{_chunk_key(chunk, stored, stride, max_reply)}.npz")
         if path is not None and path.exists():
             with np.load(path) as z:
                 got = {k: z[f"layer{k}"] for k in layers}
@@ -127,7 +131,7 @@ def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_re
                 from services.worker.engine.hf_model import load_model
 
                 model = load_model("", threads)
-            got, c_steps, c_owner = _teacher_force(model, chunk, layers, stride, max_reply)
+            got, c_steps, c_owner = _teacher_force(model, chunk, stored, stride, max_reply)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp.npz")
