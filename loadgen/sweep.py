@@ -35,7 +35,8 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
     return row
 
 
-# Local policies that never read predictions: one run each, whatever --predictions lists.
+# Local policies that never read predictions: one run each (predictions "none"), whatever
+# --predictions lists.
 PREDICTION_BLIND = frozenset({"fcfs"})
 
 
@@ -65,7 +66,7 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
         arrivals = spec.times(rate, n)
         for v in variants:
             for local, mode in [(lp, m) for lp in local_policies
-                                for m in (modes[:1] if lp in PREDICTION_BLIND else modes)]:
+                                for m in (["none"] if lp in PREDICTION_BLIND else modes)]:
                 cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=local,
                                     profile=profile, policy_config=v.config,
                                     predictions=mode, trail=trail)
