@@ -51,12 +51,13 @@ chaos: setup
 	CHAOS_LOAD_S=$(CHAOS_LOAD_S) CHAOS_JSON=results/chaos.json $(PY) -m pytest -q -s \
 		tests/e2e/test_chaos.py
 
-# Soak: 30 min of `prefixmesh bench` at SOAK_RATE (80 % of measured capacity), RSS of every
-# service and the prefix-tree size sampled every 10 s into results/soak.json.
-SOAK_RATE ?= 6
+# Soak: capacity sweep, then 30 min of `prefixmesh bench` at 80 % of the measured capacity;
+# RSS of every service and the prefix-tree size sampled every 10 s into results/soak.json
+# (docs/reliability.md). SOAK_ARGS="--rate R" skips the capacity sweep.
+SOAK_ARGS ?= --capacity-rates 16,24,32,40,48,56,64,80 --capacity-duration 40
 SOAK_S    ?= 1800
 soak: setup
-	$(PY) -m services.soak --rate $(SOAK_RATE) --duration $(SOAK_S) --json results/soak.json
+	$(PY) -m services.soak $(SOAK_ARGS) --duration $(SOAK_S) --json results/soak.json
 
 up: setup
 	$(VENV)/bin/prefixmesh up
