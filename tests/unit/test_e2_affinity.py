@@ -214,3 +214,26 @@ def test_pd_balancing_skips_a_worker_still_prefilling_what_it_got_since_its_repo
     # ... once the prefill is done, a fresh report does.
     p.on_load(LoadReportEvent(worker_id="w0", ts=until + 0.1, decode_share=0.9), until + 0.1)
     assert p.route(req("c", toks(3, 1600)), until + 0.11).kind == "pd_balance"
+
+
+# --------------------------------------------------------------------------- interference
+
+
+def test_interference_keeps_cold_prefills_off_a_worker_with_a_big_running_batch() -> None:
+    from shared.messages import LoadReportEvent
+
+    for weight in (0.5, 0.0):
+        p = make(2, PolicyConfig(interference_weight=weight, imbalance_ratio=1.1))
+        p.on_load(LoadReportEvent(worker_id="w0", ts=0.0, running=8), 0.0)
+        p.on_load(LoadReportEvent(worker_id="w1", ts=0.0, running=0), 0.0)
+        p.price.now = 0.0
+        cold = {w: p.price.cost(p.worker_state(w), 0, 4000) for w in ("w0", "w1")}
+        hit = {w: p.price.cost(p.worker_state(w), 250, 4000) for w in ("w0", "w1")}
+        if weight:
+            # R's prefill would slow 8 decodes on w0: P x (1 + 0.5 x 8) there.
+            assert cold["w0"] == pytest.approx(5 * cold["w1"])
+            assert p.route(req("c", toks(1, 250)), 0.01).worker_id == "w1"
+        else:
+            assert cold["w0"] == pytest.approx(cold["w1"])
+        # A full hit has no prefill, hence no interference.
+        assert hit["w0"] == pytest.approx(hit["w1"])

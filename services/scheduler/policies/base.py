@@ -94,6 +94,10 @@ class PolicyConfig:
     # it on, P/D balancing also skips a decode-heavy worker that still has a backlog (its
     # report's decode share lags). 0 turns both off (docs/sim-results.md: loogle).
     prefill_backlog_weight: float = 1.0
+    # Interference in the load cost: + this x P(R's missed tokens) x the worker's running
+    # sequences (latest load report): under chunked prefill R's prefill delays each of
+    # them by about P (docs/sim-results.md: loogle, programming). 0 turns it off.
+    interference_weight: float = 0.5
 
     # ---------------------------------------------------------------- E2 replication
     # A node carrying at least this fraction of its worker's window requests is a hot

@@ -72,6 +72,7 @@ class E2Policy:
         self._rebase = False
         self.price = LoadCost(self.tree, self.tables)
         self.price.backlog_weight = config.prefill_backlog_weight
+        self.price.interference = config.interference_weight
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
@@ -411,6 +412,7 @@ class E2Policy:
         ws.step_s = self._step_weight * report.avg_step_s
         ws.avg_step_s = report.avg_step_s
         ws.avg_queue_s = report.avg_queue_s
+        ws.running = report.running
         if report.decode_share > self.cfg.imbalance_ratio:
             self._decode_heavy.add(ws.id)
         else:

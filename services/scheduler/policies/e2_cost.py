@@ -11,6 +11,9 @@
   after another from their assignment (``WorkerState.busy_until``). ``L`` is work over
   the whole window, so a worker that prefilled a long prompt two minutes ago and one
   that started one a second ago look alike; only the second delays R now.
+- Interference (default 0.5): weight x P x the worker's running sequences (latest
+  load report). Under chunked prefill, R's prefill lengthens every step of the requests
+  already decoding there, each by about P in total.
 - Decode pressure (added to ``L``; not in DESIGN.md's formula): R's expected output tokens
   x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
   prices decode as the marginal cost of one more sequence in a batch, which makes a worker
@@ -41,6 +44,8 @@ class LoadCost:
         # Prefill backlog term: weight x (worker's busy_until - now) when positive.
         self.backlog_weight = 0.0
         self.now = 0.0
+        # Interference term: weight x P x the worker's running sequences.
+        self.interference = 0.0
 
     def begin(self, node: Node) -> None:
         """Start pricing a request whose match ends in ``node``."""
@@ -55,7 +60,10 @@ class LoadCost:
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
         missing = prompt - cached_blocks * self.block
-        c = ws.L + ws.step_s * self.out + self.tables.pt(missing) + self.evict_cost(ws, missing)
+        p = self.tables.pt(missing)
+        if self.interference:
+            p += self.interference * p * ws.running
+        c = ws.L + ws.step_s * self.out + p + self.evict_cost(ws, missing)
         if self.backlog_weight and ws.busy_until > self.now:
             c += self.backlog_weight * (ws.busy_until - self.now)
         return c
@@ -100,10 +108,13 @@ class LoadCost:
         bounds = []
         out = self.out
         bw, now = self.backlog_weight, self.now
+        iw = self.interference
         for ws, got in zip(workers, cached):
             p = p_of.get(got)
             if p is None:
                 p = p_of[got] = pt(prompt - got * block)
+            if iw:
+                p += iw * p * ws.running
             if bw and ws.busy_until > now:
                 p += bw * (ws.busy_until - now)
             bounds.append(ws.L + ws.step_s * out + p)

@@ -86,6 +86,7 @@ class WorkerState:
         "avg_step_s",
         "avg_queue_s",
         "busy_until",
+        "running",
         "queue",
         "alive",
     )
@@ -112,6 +113,8 @@ class WorkerState:
         # Prefill backlog: when the prefills routed here would be done if the worker ran
         # them one after another from their assignment (s, the policy's clock).
         self.busy_until = 0.0
+        # Sequences in the worker's running batch by its latest load report.
+        self.running = 0
         self.queue = QueueTrend()
         # False once the worker left (its requests may still sit in the window).
         self.alive = True
