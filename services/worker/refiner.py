@@ -4,7 +4,8 @@ The engine hands over the hidden state of the probe's layer at each step that sa
 token (``HfEngine.on_hidden``). Every ``tokens_per_update`` generated tokens the refiner
 runs the probe on it (numpy: two matrix-vector products, no torch call on the event
 loop), folds the distribution into the request's ``Smoother`` (Bayesian update over the
-length bins), and passes the expected remaining tokens to the local policy through
+length bins; with the artifact's forgetting factor, ``scores["forget"]``, 1.0 when absent),
+and passes the expected remaining tokens to the local policy through
 ``HfEngine.update_prediction``; ``sprpt_limited`` re-ranks on it.
 
 The Smoother's first prior: TRAIL seeds it with the prompt encoder's bin distribution.
@@ -81,11 +82,12 @@ class Refiner:
     """Per-request probe readings -> Smoother -> ``update(request_id, remaining_tokens)``."""
 
     def __init__(self, probe: ProbeMLP, bins: LengthBins, layer: int, tokens_per_update: int,
-                 update: Update | None = None) -> None:
+                 update: Update | None = None, forget: float = 1.0) -> None:
         if tokens_per_update < 1:
             raise ValueError("tokens_per_update must be >= 1")
         self.probe, self.bins, self.layer = probe, bins, layer
         self.every = tokens_per_update
+        self.forget = forget  # the Bayesian update's forgetting factor (1.0: TRAIL's)
         self.update = update
         self._smoothers: dict[str, tuple[EngineRequest, Smoother]] = {}
         self.readings = 0  # probe runs since start
@@ -99,7 +101,8 @@ class Refiner:
 
         art = PredictorArtifact.load(Path(folder))
         probe = ProbeMLP.from_state_dict(art.probe.state_dict())
-        return cls(probe, art.bins, art.layer, max(1, round(art.tokens_per_update)), update)
+        return cls(probe, art.bins, art.layer, max(1, round(art.tokens_per_update)), update,
+                   float(art.scores.get("forget", 1.0)))
 
     def on_hidden(self, req: EngineRequest, generated: int, hidden: np.ndarray) -> None:
         """``HfEngine.on_hidden``: ``hidden`` was read just before sampling output token
@@ -115,7 +118,7 @@ class Refiner:
                     self._sweep()
                 entry = (req, Smoother(self.bins, seed_distribution(self.bins,
                                                                     req.predicted_output),
-                                       self.every))
+                                       self.every, self.forget))
                 self._smoothers[req.request_id] = entry
             remaining_at_t = entry[1].update(self.probe.proba(hidden))
             self.readings += 1
@@ -138,6 +141,6 @@ def attach_refiner(engine: Any, folder: str | Path) -> Refiner:
     refiner = Refiner.load(folder, engine.update_prediction)
     engine.cfg = dataclasses.replace(engine.cfg, hidden_layer=refiner.layer)
     engine.on_hidden = refiner.on_hidden
-    log.info("TRAIL refinement on: probe of layer %d, every %d tokens, %d bins", refiner.layer,
-             refiner.every, refiner.bins.num_bins)
+    log.info("TRAIL refinement on: probe of layer %d, every %d tokens, %d bins, forgetting "
+             "factor %g", refiner.layer, refiner.every, refiner.bins.num_bins, refiner.forget)
     return refiner

@@ -44,6 +44,23 @@ def test_numpy_probe_matches_torch(artifact: Path) -> None:
     assert refiner.layer == LAYER and refiner.every == TOKENS_PER_UPDATE
 
 
+def test_forgetting_factor_comes_from_the_artifact(artifact: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    assert Refiner.load(artifact).forget == 1.0  # TRAIL's update when the artifact has none
+    tempered = tmp_path / "tempered"
+    shutil.copytree(artifact, tempered)
+    meta = json.loads((tempered / "config.json").read_text())
+    meta["scores"]["forget"] = 0.5
+    (tempered / "config.json").write_text(json.dumps(meta))
+    refiner = Refiner.load(tempered)
+    assert refiner.forget == 0.5
+    req = EngineRequest(request_id="f", prompt_token_ids=[1, 2, 3], max_tokens=4)
+    refiner.on_hidden(req, 1, np.zeros(HIDDEN))
+    assert refiner._smoothers["f"][1].forget == 0.5
+
+
 def test_seed_distribution() -> None:
     bins = LengthBins.make(4, 400)
     np.testing.assert_allclose(seed_distribution(bins, 0.0), [0.25] * 4)
