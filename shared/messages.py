@@ -109,11 +109,23 @@ class PredictLengthRequest(_Msg):
     token_ids: list[int] = []
 
 
+class LengthDistribution(msgspec.Struct, omit_defaults=True):
+    """A predicted output length as TRAIL's bin distribution (services/predictor/trail.py)."""
+
+    # Bin edges in output tokens: bin i is [edges[i], edges[i+1]); the last one is open.
+    edges: list[float]
+    # Probability of each bin (len(edges) - 1 values, summing to 1).
+    probs: list[float]
+
+
 class PredictLengthReply(_Msg):
     request_id: str
     # Predicted number of output tokens.
     predicted_tokens: float = 0.0
     error: ErrorInfo | None = None
+    # The trained model's distribution behind predicted_tokens (None from the prior); the
+    # worker seeds its in-process refinement with it.
+    distribution: LengthDistribution | None = None
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -174,6 +186,8 @@ class GenerateRequest(_Msg):
     deadline: float = 0.0
     # Monotonic-free creation time at the edge (unix seconds) for queue-time accounting.
     created: float = 0.0
+    # The predictor's bin distribution behind predicted_output (None = none).
+    predicted_distribution: LengthDistribution | None = None
 
 
 class AbortRequest(_Msg):

@@ -34,6 +34,7 @@ from shared.messages import (
     GenerateChunkEvent,
     GenerateDoneEvent,
     GenerateRequest,
+    LengthDistribution,
     PredictLengthRequest,
     RouteRequest,
     SamplingParams,
@@ -144,13 +145,15 @@ class MeshClient:
             raise ApiError(400, "prompt tokenizes to nothing", param="prompt")
         return reply.token_ids
 
-    async def predict_length(self, request_id: str, token_ids: list[int]) -> float:
-        """Predicted output tokens, or 0 when prediction is off or unavailable.
+    async def predict_length(self, request_id: str, token_ids: list[int]
+                             ) -> tuple[float, LengthDistribution | None]:
+        """Predicted output tokens (0 when prediction is off or unavailable) and the
+        trained model's bin distribution behind them (None from the prior).
 
         The prompt goes as token ids: the predictor decodes the text its encoder reads
         (docs/predictor.md, "Serving the predictor")."""
         if not self.predict:
-            return 0.0
+            return 0.0, None
         req = PredictLengthRequest(request_id=request_id, prompt_tokens=len(token_ids),
                                    token_ids=token_ids)
         try:
@@ -158,8 +161,10 @@ class MeshClient:
                                            self.timeouts.predict_s)
         except BusUnavailable as exc:  # prediction is advisory: route without it
             log.debug("predictor unavailable: %s", exc)
-            return 0.0
-        return reply.predicted_tokens if reply.error is None else 0.0
+            return 0.0, None
+        if reply.error is not None:
+            return 0.0, None
+        return reply.predicted_tokens, reply.distribution
 
     async def _route(self, req: RouteRequest) -> str:
         """Ask the scheduler; while none answers, retry with backoff up to route_retry_s."""
@@ -248,7 +253,7 @@ class MeshClient:
         """
         placed = worker_id
         deadline = deadline or time.time() + self.timeouts.request_s
-        predicted = await self.predict_length(request_id, token_ids)
+        predicted, distribution = await self.predict_length(request_id, token_ids)
         hashes = block_hashes(token_ids, tenant)
         lost = list(exclude)  # workers presumed dead, never routed to again
         yielded = False
@@ -264,7 +269,7 @@ class MeshClient:
                 ),
                 reply_to=self.bus.subjects.stream_reply(self.edge_id, wire_id),
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
-                created=time.time(), deadline=deadline,
+                created=time.time(), deadline=deadline, predicted_distribution=distribution,
             )
             route = RouteRequest(
                 request_id=wire_id, block_hashes=hashes, prompt_tokens=len(token_ids),

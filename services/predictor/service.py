@@ -25,7 +25,13 @@ from shared.batching import BatchServer
 from shared.bus import Bus
 from shared.config import CommonConfig, option
 from shared.lifecycle import TaskSet
-from shared.messages import PREDICT_REQUEST, ErrorInfo, PredictLengthReply, PredictLengthRequest
+from shared.messages import (
+    PREDICT_REQUEST,
+    ErrorInfo,
+    LengthDistribution,
+    PredictLengthReply,
+    PredictLengthRequest,
+)
 from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
 from shared.subjects import PREDICTOR_GROUP, Subjects
 
@@ -109,11 +115,14 @@ class PredictorService:
             else:
                 replies[i] = self.prior.predict(req)
         if to_model:
-            lengths = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.model.predict, [reqs[i].token_ids for i in to_model])
-            for i, n in zip(to_model, lengths, strict=True):
-                replies[i] = PredictLengthReply(request_id=reqs[i].request_id,
-                                                predicted_tokens=max(n, 1.0))
+            preds = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.model.predict_distributions,
+                [reqs[i].token_ids for i in to_model])
+            edges = self.model.edges
+            for i, (n, probs) in zip(to_model, preds, strict=True):
+                replies[i] = PredictLengthReply(
+                    request_id=reqs[i].request_id, predicted_tokens=max(n, 1.0),
+                    distribution=LengthDistribution(edges=edges, probs=probs))
         LATENCY.observe(time.perf_counter() - t0)
         BATCH.observe(len(reqs))
         for reply in replies:

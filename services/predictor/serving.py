@@ -115,10 +115,21 @@ class ModelPredictor:
 
     def predict(self, prompts: Sequence[Sequence[int]]) -> list[float]:
         """Expected output tokens of each prompt (one encoder and head pass for all)."""
+        return [n for n, _ in self.predict_distributions(prompts)]
+
+    def predict_distributions(self, prompts: Sequence[Sequence[int]]
+                              ) -> list[tuple[float, list[float]]]:
+        """Each prompt's expected output tokens and its distribution over the bins."""
         from services.predictor.models import predict_proba
         from services.predictor.trail import expected_length
 
         if not prompts:
             return []
         probs = predict_proba(self.artifact.head, self.encoder.encode(self.texts(prompts)))
-        return [float(x) for x in expected_length(probs, self.artifact.bins)]
+        lengths = expected_length(probs, self.artifact.bins)
+        return [(float(n), [float(x) for x in p]) for n, p in zip(lengths, probs, strict=True)]
+
+    @property
+    def edges(self) -> list[float]:
+        """The artifact's bin edges (output tokens)."""
+        return list(self.artifact.bins.edges)

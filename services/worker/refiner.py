@@ -8,11 +8,12 @@ length bins; with the artifact's forgetting factor, ``scores["forget"]``, 1.0 wh
 and passes the expected remaining tokens to the local policy through
 ``HfEngine.update_prediction``; ``sprpt_limited`` re-ranks on it.
 
-The Smoother's first prior: TRAIL seeds it with the prompt encoder's bin distribution.
-The worker receives only the scalar ``predicted_output`` (GenerateRequest), so the seed
-puts ``SEED_CONFIDENCE`` of the mass on that prediction's bin and spreads the rest evenly;
-a request without a prediction starts from the uniform distribution (its first posterior
-is then the probe's own reading).
+The Smoother's first prior, as in TRAIL, is the prompt encoder's bin distribution: the
+predictor's reply carries it and the edge passes it on (``GenerateRequest.
+predicted_distribution``). When it is absent (prior-only predictor) or over other bins than
+the probe's, the seed puts ``SEED_CONFIDENCE`` of the mass on the bin of the scalar
+``predicted_output`` and spreads the rest evenly; a request without any prediction starts
+from the uniform distribution (its first posterior is then the probe's own reading).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from services.predictor.trail import LengthBins, Smoother, softmax
 from services.worker.engine.types import EngineRequest, RequestStatus
+from shared.messages import LengthDistribution
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,14 @@ class ProbeMLP:
         return softmax(h @ self.w2.T + self.b2)
 
 
-def seed_distribution(bins: LengthBins, predicted: float) -> np.ndarray:
-    """The Smoother's first prior from a scalar prediction (see module doc)."""
+def seed_distribution(bins: LengthBins, predicted: float,
+                      distribution: LengthDistribution | None = None) -> np.ndarray:
+    """The Smoother's first prior: the predictor's distribution when it is over the same
+    bins, else one built from the scalar prediction (see module doc)."""
+    if distribution is not None and tuple(distribution.edges) == bins.edges:
+        probs = np.asarray(distribution.probs, dtype=np.float64)
+        if probs.shape == (bins.num_bins,) and probs.sum() > 0:
+            return probs / probs.sum()
     uniform = np.full(bins.num_bins, 1.0 / bins.num_bins)
     if predicted <= 0:
         return uniform
@@ -116,9 +124,9 @@ class Refiner:
             if entry is None:
                 if len(self._smoothers) >= SWEEP_AT:
                     self._sweep()
-                entry = (req, Smoother(self.bins, seed_distribution(self.bins,
-                                                                    req.predicted_output),
-                                       self.every, self.forget))
+                seed = seed_distribution(self.bins, req.predicted_output,
+                                         req.predicted_distribution)
+                entry = (req, Smoother(self.bins, seed, self.every, self.forget))
                 self._smoothers[req.request_id] = entry
             remaining_at_t = entry[1].update(self.probe.proba(hidden))
             self.readings += 1

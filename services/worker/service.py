@@ -210,7 +210,7 @@ class WorkerService:
                 request_id=req.request_id, prompt_token_ids=req.token_ids,
                 max_tokens=req.sampling.max_tokens, output_len=self._output_len(req),
                 tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
-                sample_key=sample_key(req),
+                sample_key=sample_key(req), predicted_distribution=req.predicted_distribution,
             )
             if isinstance(self.engine, VllmEngine | HfEngine):
                 self.engine.add(ereq, time.monotonic(), req.sampling)

@@ -5,7 +5,10 @@ malformed requests, the prior as fallback."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 
@@ -13,6 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from services.predictor.serving import prompt_text  # noqa: E402
+from services.predictor.trail import LengthBins, expected_length  # noqa: E402
 from services.predictor.service import PredictorConfig, PredictorService  # noqa: E402
 from services.tokenizer.text import TextTokenizer  # noqa: E402
 from shared.bus import Bus  # noqa: E402
@@ -80,6 +84,7 @@ async def test_serves_the_artifact_in_batches(bus: Bus, nats_server, prefix, art
                                   PredictLengthRequest(request_id="n", prompt_tokens=5),
                                   PREDICT_REPLY, 30)
         assert prior.error is None and prior.predicted_tokens == 77
+        assert prior.distribution is None and long.distribution is not None
         # 32 concurrent requests share a few forward passes and each gets its own answer.
         before = svc.server.batches
         texts = (SHORT + LONG) * 2
@@ -120,8 +125,6 @@ async def test_malformed_requests_get_error_replies(bus: Bus, nats_server, prefi
 
 
 def test_static_serving_encoder_matches_the_training_encoder() -> None:
-    import numpy as np
-
     from services.predictor.models import PromptEncoder
     from services.predictor.serving import StaticEncoder
 
@@ -141,5 +144,10 @@ async def test_edge_asks_the_model_with_the_prompts_token_ids(bus: Bus, nats_ser
         mesh = MeshClient(bus, "edge-test", MeshTimeouts(predict_s=30.0), predict=True)
         ids = chat(tok, LONG[1])
         direct = await ask(bus, "d", ids)
-        assert await mesh.predict_length("e", ids) == pytest.approx(direct.predicted_tokens)
+        predicted, dist = await mesh.predict_length("e", ids)
+        assert predicted == pytest.approx(direct.predicted_tokens)
         assert direct.predicted_tokens != 77  # the artifact answered, not the prior
+        # The head's distribution comes along (the worker seeds its refinement with it).
+        bins = LengthBins.from_dict(json.loads((artifact / "config.json").read_text())["bins"])
+        assert tuple(dist.edges) == bins.edges and sum(dist.probs) == pytest.approx(1.0)
+        assert expected_length(np.array(dist.probs), bins) == pytest.approx(predicted)

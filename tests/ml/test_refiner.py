@@ -20,7 +20,7 @@ from services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E
 from services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
 from services.worker.local import make_local_policy  # noqa: E402
 from services.worker.refiner import Refiner, attach_refiner, seed_distribution  # noqa: E402
-from shared.messages import SamplingParams  # noqa: E402
+from shared.messages import LengthDistribution, SamplingParams  # noqa: E402
 from tests.ml.tiny_artifact import HIDDEN, LAYER, TOKENS_PER_UPDATE, build  # noqa: E402
 
 pytestmark = [pytest.mark.ml, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -66,6 +66,11 @@ def test_seed_distribution() -> None:
     np.testing.assert_allclose(seed_distribution(bins, 0.0), [0.25] * 4)
     seed = seed_distribution(bins, 250.0)
     assert seed.sum() == pytest.approx(1.0) and seed.argmax() == 2
+    # The predictor's distribution is the seed when it is over the same bins (TRAIL).
+    dist = LengthDistribution(edges=list(bins.edges), probs=[0.1, 0.2, 0.3, 0.4])
+    np.testing.assert_allclose(seed_distribution(bins, 250.0, dist), [0.1, 0.2, 0.3, 0.4])
+    other = LengthDistribution(edges=[0.0, 10.0, 20.0, 30.0, 40.0], probs=[0.1, 0.2, 0.3, 0.4])
+    np.testing.assert_allclose(seed_distribution(bins, 250.0, other), seed)
 
 
 async def test_refinement_reaches_sprpt_limited(artifact: Path) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.blocks import BLOCK_SIZE, extend_hashes, tenant_salt
+from shared.messages import LengthDistribution
 
 DEFAULT_STATS_WINDOW_S = 5.0
 # Ordinary token ids (clear of BOS/EOS and other special ids) that sim outputs cycle through.
@@ -54,6 +55,9 @@ class EngineRequest:
     block_hashes: list[int] = field(default_factory=list)
     # Predicted output tokens, for length-aware local policies (0 = none).
     predicted_output: float = 0.0
+    # The predictor's bin distribution behind predicted_output (None = none): seeds the
+    # worker's TRAIL refinement (services/worker/refiner.py).
+    predicted_distribution: LengthDistribution | None = None
     # Offline batch id for batch-group scheduling ("" = interactive).
     batch_id: str = ""
     # Key of the deterministic output token stream ("" = the request id). Requests with
