@@ -197,6 +197,15 @@ class AbortRequest(_Msg):
     reason: str = ""
 
 
+class ResumeRequest(_Msg):
+    """Resend a request's stream from output token ``from_index`` on, and its done event
+    if it ended (``worker.<id>.submit``): the edge may have missed events, e.g. across a
+    NATS restart. Refused (``not_found``) when the worker no longer knows the request."""
+
+    request_id: str
+    from_index: int = 0
+
+
 class SubmitReply(_Msg):
     """A worker's acknowledgement of a GenerateRequest: queued, or refused with a reason."""
 
@@ -206,7 +215,7 @@ class SubmitReply(_Msg):
     error: ErrorInfo | None = None
 
 
-WorkerRequest = GenerateRequest | AbortRequest | ResyncRequest
+WorkerRequest = GenerateRequest | AbortRequest | ResyncRequest | ResumeRequest
 
 
 class TopLogprob(msgspec.Struct, omit_defaults=True, array_like=True):

@@ -36,6 +36,7 @@ from shared.messages import (
     GenerateRequest,
     LengthDistribution,
     PredictLengthRequest,
+    ResumeRequest,
     RouteRequest,
     SamplingParams,
     StreamEvent,
@@ -127,6 +128,7 @@ class MeshClient:
         self._last_check = time.monotonic()
         self._reconnects = 0
         self.failovers = 0  # placements abandoned because their worker fell silent
+        self.resumes = 0  # streams a worker was asked to resend (events possibly lost)
 
     async def tokenize(self, request_id: str, text: str | None = None,
                        messages: list[ChatMessage] | None = None,
@@ -283,6 +285,9 @@ class MeshClient:
                 worker_id = await self._place(gen, route, placed)
                 placed = ""
                 submitted_at = time.monotonic()
+                # Output tokens received so far; this edge's reconnect count when the
+                # stream was last known complete (a later reconnect may have lost events).
+                next_index, synced_at = 0, self.reconnects()
                 while True:
                     remaining = deadline - time.time()
                     if remaining <= 0:
@@ -290,15 +295,41 @@ class MeshClient:
                     try:
                         event = await asyncio.wait_for(queue.get(), min(remaining, self._tick()))
                     except TimeoutError:
+                        event = None
+                    gap = False
+                    if isinstance(event, GenerateChunkEvent) and event.token_ids:
+                        end = event.index + len(event.token_ids)
+                        if end <= next_index:
+                            continue  # already had it: a resend overlapping the original
+                        gap = event.index != next_index
+                    if gap or (event is None and synced_at != self.reconnects()):
+                        # Events may be lost: a chunk is missing, or this edge reconnected
+                        # (a worker that was back first published to nobody).
+                        marker = self.reconnects()
+                        known = await self._resume(worker_id, wire_id, next_index)
+                        if known is False:  # it ended long ago or the worker restarted
+                            log.warning("worker %s no longer knows %s", worker_id, wire_id)
+                            if yielded:
+                                raise WorkerLost(worker_id)
+                            break  # nothing sent yet: place it again
+                        if known:
+                            synced_at = marker
+                            continue
+                        synced_at = -1  # unanswered: ask again next tick
+                        if event is not None:
+                            continue  # the chunk after the gap: the resend carries it
+                    if event is None:  # nothing for a tick: is the worker still alive?
                         if not self._silent(worker_id, submitted_at):
                             continue
                         self.failovers += 1
                         log.warning("worker %s went silent with %s in flight (%s)", worker_id,
                                     wire_id, "tokens sent" if yielded else "retrying elsewhere")
                         if yielded:
-                            raise WorkerLost(worker_id) from None
+                            raise WorkerLost(worker_id)
                         lost.append(worker_id)
                         break
+                    if isinstance(event, GenerateChunkEvent) and event.token_ids:
+                        next_index = event.index + len(event.token_ids)
                     yielded = True
                     yield event
                     if isinstance(event, GenerateDoneEvent):
@@ -309,6 +340,26 @@ class MeshClient:
                 if worker_id and not finished:
                     await self._abort(worker_id, wire_id)
         raise unavailable("workers", RuntimeError(f"{len(lost)} workers went silent"))
+
+    def reconnects(self) -> int:
+        """How many times this edge's NATS connection was re-established."""
+        return self.bus.nc.stats.get("reconnects", 0)
+
+    async def _resume(self, worker_id: str, request_id: str, from_index: int) -> bool | None:
+        """Ask ``worker_id`` to resend ``request_id``'s stream from output token
+        ``from_index`` on (services/worker/replay.py). True: it will; False: it no longer
+        knows the request; None: no answer (not reconnected yet), ask again later."""
+        try:
+            ack = await self.bus.request(self.bus.subjects.worker_submit(worker_id),
+                                         ResumeRequest(request_id=request_id,
+                                                       from_index=from_index),
+                                         SUBMIT_REPLY, self.timeouts.submit_s)
+        except BusUnavailable:
+            return None
+        self.resumes += 1
+        log.warning("asked worker %s to resend %s from token %d: %s", worker_id, request_id,
+                    from_index, "resending" if ack.accepted else "unknown there")
+        return ack.accepted
 
     async def _abort(self, worker_id: str, request_id: str) -> None:
         try:

@@ -38,6 +38,7 @@ from services.worker.engine.vllm_engine import (
     missing_dependencies,
 )
 from services.worker.local import make_local_policy
+from services.worker.replay import FinishedJournals, StreamJournal
 from services.worker.reports import done_record, load_report
 from services.worker.sim_logprobs import prompt_key, scored_token, token_logprobs
 from shared.bus import Bus
@@ -52,6 +53,7 @@ from shared.messages import (
     GenerateDoneEvent,
     GenerateRequest,
     KvEventBatch,
+    ResumeRequest,
     ResyncRequest,
     SamplingParams,
     SubmitReply,
@@ -75,6 +77,8 @@ QUEUE_TIME = Histogram("prefixmesh_worker_queue_seconds", "time a request waited
 # KV blocks the engine evicted (BlockRemoved events): zero until the prefix cache is full.
 KV_EVICTED = Counter("prefixmesh_worker_kv_blocks_evicted_total",
                      "KV cache blocks evicted (BlockRemoved events published)", ["worker"])
+RESUMES = Counter("prefixmesh_worker_stream_resumes_total",
+                  "streams resent on an edge's ResumeRequest", ["worker"])
 # Size of the word-token pool the simulated engine draws output tokens from.
 OUTPUT_POOL_SIZE = 256
 # Drain polls the engine this often (seconds).
@@ -98,6 +102,8 @@ class _Live:
     sample_key: str = ""
     # GenerateRequest.deadline: unix seconds after which the request is dropped (0 = none).
     deadline: float = 0.0
+    # What the stream carried over NATS, for a ResumeRequest (replay.py); None with a sink.
+    journal: StreamJournal | None = None
 
 
 def sample_key(req: GenerateRequest) -> str:
@@ -146,6 +152,8 @@ class WorkerService:
         # The sim engine's clock: model seconds, wall / time_scale (engine/pacing.py).
         self.pacer = Pacer(cfg.time_scale)
         self._accepting = True
+        # Streams of requests that ended lately, for a late ResumeRequest (replay.py).
+        self.finished = FinishedJournals()
 
     # ------------------------------------------------------------------ intake
 
@@ -157,9 +165,12 @@ class WorkerService:
             return min(s.output_len_hint, s.max_tokens)
         return sample_output_len(sample_key(req), self.cfg.default_output_mean, s.max_tokens)
 
-    async def _on_request(self, msg: GenerateRequest | AbortRequest | ResyncRequest) -> SubmitReply:
+    async def _on_request(self, msg: GenerateRequest | AbortRequest | ResyncRequest
+                          | ResumeRequest) -> SubmitReply:
         if isinstance(msg, GenerateRequest):
             return self._submit(msg)
+        if isinstance(msg, ResumeRequest):
+            return await self._resume(msg)
         if isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
         elif isinstance(msg, ResyncRequest):
@@ -219,7 +230,8 @@ class WorkerService:
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
         detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
-        live = _Live(req.reply_to, req.tenant, detok, sink, deadline=req.deadline)
+        live = _Live(req.reply_to, req.tenant, detok, sink, deadline=req.deadline,
+                     journal=StreamJournal(req.reply_to) if sink is None else None)
         if detok is not None and (req.sampling.logprobs is not None
                                   or req.sampling.allowed_token_ids):
             live.sampling, live.prompt, live.sample_key = req.sampling, req.token_ids, \
@@ -276,10 +288,28 @@ class WorkerService:
             worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
 
     async def _deliver(self, live: _Live, event: GenerateChunkEvent | GenerateDoneEvent) -> None:
+        if live.journal is not None:
+            live.journal.record(event)
+            if isinstance(event, GenerateDoneEvent):
+                self.finished.add(event.request_id, live.journal)
         if live.sink is not None:
             live.sink.put_nowait(event)
         else:
             await self.bus.publish(live.reply_to, event)
+
+    async def _resume(self, msg: ResumeRequest) -> SubmitReply:
+        """Resend a stream from ``msg.from_index`` on (replay.py); refused when unknown."""
+        live = self.live.get(msg.request_id)
+        journal = live.journal if live is not None else self.finished.get(msg.request_id)
+        if journal is None:
+            return SubmitReply(request_id=msg.request_id, worker_id=self.worker_id,
+                               accepted=False, error=ErrorInfo(
+                                   f"worker {self.worker_id} does not know request "
+                                   f"{msg.request_id}", "not_found", retriable=True))
+        for event in journal.replay(msg.request_id, msg.from_index):
+            await self.bus.publish(journal.reply_to, event)
+        RESUMES.labels(self.worker_id).inc()
+        return SubmitReply(request_id=msg.request_id, worker_id=self.worker_id)
 
     async def _emit(self, out: StepOutput, text: str = "") -> None:
         """Stream a step's tokens to the request's caller; on its last step, the done
