@@ -75,7 +75,8 @@ DEFAULT_CONTENDERS = ("prefixmesh-e2,prefixmesh-round_robin,prefixmesh-e2@prefix
                       "vllm-cache_aware,vllm-consistent_hash")
 # The engines' local policy when a contender names none: what vLLM's scheduler does.
 DEFAULT_LOCAL = "fcfs"
-READY_TIMEOUT_S = 60.0
+# Start-up of a worker or router; a machine loaded by other jobs can take minutes.
+READY_TIMEOUT_S = 240.0
 POLL_S = 0.2
 # Overhead probe: this many sequential requests of a short fixed prompt, one output token.
 PROBE_REQUESTS = 40
