@@ -162,8 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--high", type=float, default=5.0, help="... to this x the low-load p99")
     p.add_argument("--slo", type=float, default=None,
                    help="print the max rate under this p99 (seconds) instead")
+    p.add_argument("--policies", default=None,
+                   help="only rows whose policy label is one of these (';'-separated, since "
+                   "labels with knobs contain commas)")
     args = p.parse_args(argv)
     runs = load_runs(args.results)
+    if args.policies:
+        keep = set(args.policies.split(";"))
+        runs = [r for r in runs if r["policy"] in keep]
     print(slo_report(runs, args.slo) if args.slo else knee_report(runs, args.baseline,
                                                                     args.low, args.high))
     return 0

@@ -169,3 +169,19 @@ def test_knee_report_combines_seeds_into_means() -> None:
     # e2: mean p99 4.0 (3 / 5), lowest in seed 1; weighted: mean 5.0, lowest in seed 0.
     assert "| e2/fcfs | 1.500 | 4.000 | 50.0% | 0 | 2.67 | 3.00 | 3.00 / 5.00 | 1 of 2 |" in text
     assert "| weighted/fcfs | 1.500 | 5.000 | 50.0% | 0 | 2.67 | 2.40 | 2.00 / 8.00 | 1 of 2 |" in text
+
+
+def test_knee_cli_keeps_only_the_named_policies(tmp_path, capsys) -> None:
+    import json
+
+    from loadgen.knee import main
+
+    rows = [{"policy": p, "local_policy": "fcfs", "workload": "w", "gpus": 4, "rate": r,
+             "latency_p99_s": p99, "latency_avg_s": 1.0, "failed": 0, "cache_hit_ratio": 0.5}
+            for p, r, p99 in (("round_robin", 1, 2.0), ("round_robin", 2, 6.0),
+                              ("e2:th_bal=inf,x=1", 2, 3.0), ("weighted", 2, 2.5))]
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"runs": rows}))
+    main([str(f), "--policies", "round_robin;e2:th_bal=inf,x=1"])
+    out = capsys.readouterr().out
+    assert "e2:th_bal=inf,x=1/fcfs" in out and "weighted" not in out
