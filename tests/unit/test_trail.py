@@ -136,3 +136,15 @@ def test_forgetting_smoother_follows_evidence_faster() -> None:
     # TRAIL: [0.0763, 0.2673] / 0.3436 -> estimate 5 + 10 * 0.7779 = 12.779.
     s = Smoother(TWO, np.array([0.01, 0.99]))
     assert s.update(np.array([0.7, 0.3])) == pytest.approx(5 + 10 * 0.2673 / 0.3436, abs=1e-4)
+
+
+def test_refine_runs_one_smoother_per_request_in_step_order() -> None:
+    from services.predictor.train import refine
+
+    init = np.array([[0.5, 0.5], [0.0, 1.0]])
+    probs = np.array([[0.2, 0.8], [0.9, 0.1], [0.9, 0.1]])
+    owner = np.array([0, 1, 0])  # rows 0 and 2 are request 0's first and second readings
+    got = refine(init, probs, owner, TWO, stride=1, forget=0.5)
+    a = Smoother(TWO, init[0], 1, forget=0.5)
+    b = Smoother(TWO, init[1], 1, forget=0.5)
+    np.testing.assert_allclose(got, [a.update(probs[0]), b.update(probs[1]), a.update(probs[2])])
