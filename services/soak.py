@@ -15,7 +15,9 @@ starts a local mesh (``LocalMesh``, its own nats-server and redis-server on free
 
 Warm-up: the prefix tree mirrors the workers' caches, so it grows until they are full. With
 ``--warmup auto`` (the default) the warm-up ends ``--settle`` seconds (one scheduler window)
-after the first sample at which every worker has evicted blocks; a number is a fixed time.
+after the first sample at which every worker has evicted blocks, or earlier, once some
+worker has evicted and the tree grew under 1 % over the last ``--settle`` seconds; a number
+is a fixed time.
 Per series the JSON gives the growth after warm-up, (last - first) / first, and the peak,
 (max - first) / first; the run fails (exit 1) when a peak reaches 10 %, when any request
 failed, or when the warm-up leaves less than ``--min-window`` seconds to measure.
@@ -98,14 +100,24 @@ def sample(mesh: LocalMesh, t0: float) -> dict:
 
 
 def warmup_end(samples: list[dict], warmup: str, settle_s: float) -> float | None:
-    """Start of the measured window: a fixed time, or (``auto``) ``settle_s`` after the first
-    sample at which every worker has evicted KV blocks; None while that has not happened."""
+    """Start of the measured window: a fixed time, or with ``auto`` the earlier of
+    ``settle_s`` after the first sample at which every worker has evicted KV blocks (the
+    caches are full, the tree only follows evictions from then on), and the first sample
+    at which some worker has evicted and the tree grew under 1 % over the last
+    ``settle_s`` (a worker whose share of the prefixes fits its cache never evicts).
+    None while neither has happened."""
     if warmup != "auto":
         return float(warmup)
+    tokens = "prefixmesh_scheduler_tree_tokens"
     for s in samples:
         ev = s["evicted_blocks"]
         if ev and all(v > 0 for v in ev.values()):
             return s["t_s"] + settle_s
+        now = s["tree"].get(tokens)
+        before = [p["tree"].get(tokens) for p in samples if p["t_s"] <= s["t_s"] - settle_s]
+        if (any(v > 0 for v in ev.values()) and now and before and before[-1]
+                and now < 1.01 * before[-1]):
+            return s["t_s"]
     return None
 
 

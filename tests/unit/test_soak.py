@@ -57,3 +57,14 @@ def test_metric_sum_adds_label_sets():
     assert metric_sum(text, "prefixmesh_worker_kv_blocks_evicted_total") == 7.0
     assert metric_sum(text, "prefixmesh_scheduler_tree_nodes") == 17.0
     assert metric_sum(text, "prefixmesh_missing") is None
+
+
+def test_auto_warmup_also_ends_once_the_tree_has_levelled_off():
+    # worker-1 never evicts (its share fits its cache); the tree stops growing at t = 20.
+    samples = [sample(t, {"worker-0": 1 if t >= 10 else 0, "worker-1": 0}, tree=tree)
+               for t, tree in ((0, 100), (10, 200), (20, 300), (30, 301), (40, 302))]
+    # At 30 the tree is 301 vs 200 at 10 (settle 20): still growing. At 40: 302 vs 300.
+    assert warmup_end(samples, "auto", 20.0) == 40
+    # Not before some worker evicted: a flat tree on an idle mesh proves nothing.
+    idle = [sample(t, {"worker-0": 0}, tree=50) for t in (0, 10, 20, 30)]
+    assert warmup_end(idle, "auto", 10.0) is None
