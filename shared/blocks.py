@@ -36,10 +36,13 @@ def block_hashes(
 def extend_hashes(parent: int, token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[int]:
     """Hashes of the full blocks of ``token_ids`` continuing the chain after ``parent``."""
     out: list[int] = []
-    full = len(token_ids) - len(token_ids) % block_size
-    for start in range(0, full, block_size):
-        parent = hash((parent, *token_ids[start : start + block_size]))
-        out.append(parent)
+    append = out.append
+    # zip over one iterator yields the full blocks as tuples (a trailing partial block is
+    # dropped); ``(parent,) + block`` is the tuple ``(parent, *block)``, built in C.
+    it = iter(token_ids)
+    for block in zip(*[it] * block_size):
+        parent = hash((parent,) + block)
+        append(parent)
     return out
 
 

@@ -39,11 +39,15 @@ class BlockCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref = [0] * num_blocks
-        # Per block while it is cached: its hash, its parent's hash and its tokens (the
-        # last two only for resync snapshots). Plain lists: this is on the step hot path.
+        # Per block while it is cached: its hash, its parent's hash and where its tokens are
+        # (the last two only for resync snapshots). Plain lists: this is on the step hot
+        # path. A block's tokens are ``_tok_src[b][_tok_off[b]:][:block_size]``: the token
+        # list passed to ``store`` is shared by the blocks it registered, not sliced per
+        # block (a slice per block was the simulator's largest single cost).
         self._hash: list[int | None] = [None] * num_blocks
         self._parent: list[int | None] = [None] * num_blocks
-        self._tokens: list[Sequence[int]] = [()] * num_blocks
+        self._tok_src: list[Sequence[int]] = [()] * num_blocks
+        self._tok_off: list[int] = [0] * num_blocks
         # Unreferenced, uncached blocks; popped from the end (block 0 first at start).
         self._free = list(range(num_blocks - 1, -1, -1))
         # Unreferenced cached blocks, least recently released first.
@@ -127,9 +131,21 @@ class BlockCache:
     def allocate(self, num_blocks: int) -> list[int] | None:
         """``num_blocks`` fresh blocks (ref 1), evicting LRU cached ones as needed; None
         (and no change) if too few are free."""
-        if num_blocks > len(self._free) + len(self._evictable):
+        free = self._free
+        if num_blocks > len(free) + len(self._evictable):
             return None
-        return [self._pop() for _ in range(num_blocks)]
+        # As ``num_blocks`` calls of ``_pop``: empty blocks from the end of the free list
+        # first, then evictions in LRU order.
+        k = min(num_blocks, len(free))
+        out = free[-k:][::-1] if k else []
+        if k:
+            del free[-k:]
+            ref = self._ref
+            for b in out:
+                ref[b] = 1
+        if k < num_blocks:
+            self._evict_into(out, num_blocks - k)
+        return out
 
     def allocate_one(self) -> int:
         """One fresh block id (ref 1), evicting if needed; -1 if none is free. Hot path."""
@@ -143,16 +159,27 @@ class BlockCache:
         """An empty block if any, else the least recently released cached one, evicted."""
         if self._free:
             b = self._free.pop()
-        else:
-            b, _ = self._evictable.popitem(last=False)
-            h = self._hash[b]
-            assert h is not None
-            del self._cached[h]
-            self._hash[b] = None
-            self._tokens[b] = ()
-            self._removed.append(h)
-        self._ref[b] = 1
-        return b
+            self._ref[b] = 1
+            return b
+        out: list[int] = []
+        self._evict_into(out, 1)
+        return out[0]
+
+    def _evict_into(self, out: list[int], n: int) -> None:
+        """Evict the ``n`` least recently released cached blocks (ref 1) onto ``out``; the
+        caller has checked that there are that many."""
+        popitem = self._evictable.popitem
+        cached, hashes, src, ref = self._cached, self._hash, self._tok_src, self._ref
+        removed = self._removed
+        for _ in range(n):
+            b, _ = popitem(last=False)
+            h = hashes[b]
+            del cached[h]
+            hashes[b] = None
+            src[b] = ()
+            removed.append(h)
+            ref[b] = 1
+            out.append(b)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block, tail first, so that when a whole table is
@@ -192,14 +219,17 @@ class BlockCache:
                 self._store_sharing(table, first, block_hashes, parent_hash, token_ids)
                 return
         # Common case (one decode block, or a fresh prompt): all new, one event.
-        bs, hashes, parents, tokens = self.block_size, self._hash, self._parent, self._tokens
+        bs, hashes, parents = self.block_size, self._hash, self._parent
+        src, off = self._tok_src, self._tok_off
         prev = parent_hash
-        for i, h in enumerate(block_hashes):
-            b = table[first + i]
+        i = 0
+        for b, h in zip(table[first : first + len(block_hashes)], block_hashes):
             cached[h] = b
             hashes[b] = h
             parents[b] = prev
-            tokens[b] = token_ids[i * bs : (i + 1) * bs]
+            src[b] = token_ids
+            off[b] = i
+            i += bs
             prev = h
         if self._removed:
             self._flush_removed()
@@ -215,7 +245,7 @@ class BlockCache:
     ) -> None:
         """``store`` when some blocks duplicate cached ones: one event per run of new blocks."""
         bs, cached = self.block_size, self._cached
-        hashes, parents, tokens = self._hash, self._parent, self._tokens
+        hashes, parents, src, off = self._hash, self._parent, self._tok_src, self._tok_off
         run_start = 0  # index in block_hashes where the current run of new blocks starts
         run_parent = prev = parent_hash
         for i, h in enumerate(block_hashes):
@@ -225,7 +255,8 @@ class BlockCache:
                 cached[h] = b
                 hashes[b] = h
                 parents[b] = prev
-                tokens[b] = token_ids[i * bs : (i + 1) * bs]
+                src[b] = token_ids
+                off[b] = i * bs
             else:
                 # Computed concurrently by another request: share the cached block.
                 own = table[first + i]
@@ -252,7 +283,7 @@ class BlockCache:
         self._free.extend(self._evictable)
         self._evictable.clear()
         n = self.num_blocks
-        self._hash, self._parent, self._tokens = [None] * n, [None] * n, [()] * n
+        self._hash, self._parent, self._tok_src = [None] * n, [None] * n, [()] * n
         self._cached.clear()
         self._removed.clear()  # superseded by the clear
         self._emit(AllBlocksCleared())
@@ -278,15 +309,20 @@ class BlockCache:
     def snapshot_events(self) -> list[KvEvent]:
         """``[AllBlocksCleared(), BlockStored...]`` rebuilding the current cache from scratch,
         parents before children, one event per straight run of a chain."""
-        cached, parents, tokens = self._cached, self._parent, self._tokens
+        cached, parents, src, off = self._cached, self._parent, self._tok_src, self._tok_off
+        bs = self.block_size
         events: list[KvEvent] = [AllBlocksCleared()]
         for run in chain_runs({h: parents[b] for h, b in cached.items()}):
+            tokens: list[int] = []
+            for h in run:
+                b = cached[h]
+                tokens.extend(src[b][off[b] : off[b] + bs])
             events.append(
                 BlockStored(
                     block_hashes=run,
                     parent_block_hash=parents[cached[run[0]]],
-                    token_ids=[t for h in run for t in tokens[cached[h]]],
-                    block_size=self.block_size,
+                    token_ids=tokens,
+                    block_size=bs,
                 )
             )
         return events
