@@ -472,10 +472,21 @@ class PrefixTree:
             self.flush()
         hit: dict[Node, set[int]] = {}
         idx = self._index
+        # Evictions name long runs of one node's blocks: look each node's caching set up
+        # once per run, not once per block.
+        last: Node | None = None
+        gone: set[int] | None = None
         for h in hashes:
             node = idx.get(h)
-            if node is not None and worker in node.workers:
-                hit.setdefault(node, set()).add(h)
+            if node is None:
+                continue
+            if node is not last:
+                last = node
+                gone = hit.get(node)
+                if gone is None and worker in node.workers:
+                    gone = hit[node] = set()
+            if gone is not None:
+                gone.add(h)
         for node in sorted(hit, key=lambda n: n.start):
             if not node.alive or worker not in node.workers:
                 continue  # already dropped with an ancestor

@@ -55,11 +55,14 @@ def engine_stats(steps: SlidingSums, admits: SlidingSums, now: float,
     """
     steps.trim(now)
     admits.trim(now)
-    outstanding = sum(
-        max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-        + max(r.target_output_tokens - r.num_output_tokens, 0)
-        for r in requests
-    )
+    outstanding = 0  # prompt tokens left to compute + output tokens left to generate
+    for r in requests:
+        left = r.num_prompt_tokens - r.num_computed_tokens
+        if left > 0:
+            outstanding += left
+        left = r.target_output_tokens - r.num_output_tokens
+        if left > 0:
+            outstanding += left
     n_steps, n_admits = len(steps), len(admits)
     return EngineStats(
         running=running,
