@@ -202,7 +202,7 @@ class MeshClient:
         """Monotonic time from which a worker's silence counts: our own blindness (NATS
         disconnected or just reconnected, our event loop stalled) says nothing about it."""
         now = time.monotonic()
-        reconnects = self.bus.nc.stats.get("reconnects", 0)
+        reconnects = self.reconnects()
         # Requests in flight check every tick; a longer gap means our loop stalled (or
         # nothing was in flight: judging again from now on costs nothing then).
         stalled = now - self._last_check > self._tick() + self.timeouts.worker_silence_s / 2

@@ -14,6 +14,7 @@ Pure bookkeeping, no I/O: the worker service publishes what ``replay`` returns.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 
 from shared.messages import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
@@ -53,9 +54,8 @@ class StreamJournal:
         date. The edge only ever holds whole chunks, so ``from_index`` is a chunk boundary;
         anything else is served from the boundary before it (the edge drops the overlap)."""
         events: list[GenerateChunkEvent | GenerateDoneEvent] = []
-        start = next((k for k in range(len(self.chunks) - 1, -1, -1)
-                      if self.chunks[k][0] <= from_index), None)
-        if start is not None and from_index < len(self.tokens):
+        start = bisect_right(self.chunks, from_index, key=lambda chunk: chunk[0]) - 1
+        if start >= 0 and from_index < len(self.tokens):
             index = self.chunks[start][0]
             events.append(GenerateChunkEvent(
                 request_id=request_id, token_ids=self.tokens[index:],
