@@ -73,6 +73,8 @@ class SimRun:
     decisions: dict[str, int]
     # Requests routed to each worker (load balance, for diagnosis).
     worker_requests: dict[str, int] = field(default_factory=dict)
+    # Running requests preempted (by recompute), all engines together.
+    preemptions: int = 0
 
 
 class ClusterSim:
@@ -203,4 +205,5 @@ class ClusterSim:
         first = min(arrivals, default=0.0)
         return SimRun(results=results, duration_s=max(now - first, 1e-9),
                       wall_s=time.perf_counter() - wall0, steps=steps, decisions=decisions,
-                      worker_requests=per_worker)
+                      worker_requests=per_worker,
+                      preemptions=sum(e.stats(now).preemptions for e in self.engines.values()))

@@ -31,7 +31,8 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
                     backend="sim")
     row.update(mode="virtual", profile=cfg.profile, virtual_s=round(run.duration_s, 3),
                wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions,
-               worker_requests=run.worker_requests, predictions=cfg.predictions)
+               worker_requests=run.worker_requests, preemptions=run.preemptions,
+               predictions=cfg.predictions)
     return row
 
 

@@ -10,9 +10,9 @@ part), test split first; ``train`` and ``eval`` then read the cache.
 
 train: MiniLM embeddings of the prompts train the head (epochs chosen on a validation 20%
 of the training requests); one probe per candidate layer is trained on the other 80% of the
-training requests' readings and scored on the 20%; the best layer wins. The Bayesian
-update's forgetting factor is TRAIL's 1.0 unless ``--forget auto`` chooses it on the same
-validation requests. The head and the chosen probe are then retrained on all of train.
+training requests' readings and scored on the 20% (with ``--epochs auto``, the default, at
+each of a few epoch counts); the best layer wins. The Bayesian update's forgetting factor
+is TRAIL's 1.0 unless ``--forget auto`` chooses it on the same validation requests. The head and the chosen probe are then retrained on all of train.
 
 eval: on the held-out split, MAE (tokens) of the head's initial prediction, and per decode
 step of the refined prediction (probe + Bayesian update seeded with the head's
@@ -51,6 +51,9 @@ SPLITS = ("train-first", "test-first")
 # Head epochs tried on the validation requests (the head is small; its data is one row per
 # request, so the best count depends on the training set's size).
 HEAD_EPOCHS = (20, 60, 150, 400)
+# Probe epochs tried by ``--epochs auto`` for each candidate layer: the readings of one
+# request are strongly correlated, so the probe overfits a few thousand requests quickly.
+PROBE_EPOCHS = (3, 5, 10, 20)
 # Forgetting factors tried by ``--forget auto`` (1.0 is TRAIL's update).
 FORGET_GRID = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.3, 0.0)
 VALIDATION_SHARE = 0.2
@@ -141,15 +144,17 @@ def train(args: argparse.Namespace) -> dict:
                                           args.threads, _cache(cfg))
     remaining = lengths[owner] - steps
     fit = owner < n_fit
-    val_mae, val_probe = {}, {}
+    epoch_grid = PROBE_EPOCHS if args.epochs == "auto" else (int(args.epochs),)
+    val_mae, val_probe, val_epochs = {}, {}, {}  # per layer: its best epoch count
     for k in layers:
         x = hidden[k]
-        val_probe[k] = train_classifier(x[fit], bins.bin_of(remaining[fit]),
-                                        mlp(x.shape[1], PROBE_HIDDEN, bins.num_bins),
-                                        args.epochs, args.seed)
-        val_mae[k] = _mae(expected_length(predict_proba(val_probe[k], x[~fit]), bins),
-                          remaining[~fit])
-        log.info("layer %d: validation MAE %.1f tokens", k, val_mae[k])
+        for e in epoch_grid:
+            probe = train_classifier(x[fit], bins.bin_of(remaining[fit]),
+                                     mlp(x.shape[1], PROBE_HIDDEN, bins.num_bins), e, args.seed)
+            mae = _mae(expected_length(predict_proba(probe, x[~fit]), bins), remaining[~fit])
+            log.info("layer %d, %d epochs: validation MAE %.1f tokens", k, e, mae)
+            if k not in val_mae or mae < val_mae[k]:
+                val_mae[k], val_probe[k], val_epochs[k] = mae, probe, e
     best = min(val_mae, key=val_mae.get)
     # Forgetting factor on the validation requests (head and probe trained without them).
     init_val = predict_proba(head_fit, emb)  # rows of validation requests are used below
@@ -162,8 +167,10 @@ def train(args: argparse.Namespace) -> dict:
     head = fit_head(slice(None), head_epochs)
     probe = train_classifier(hidden[best].astype(np.float32), bins.bin_of(remaining),
                              mlp(hidden[best].shape[1], PROBE_HIDDEN, bins.num_bins),
-                             args.epochs, args.seed)
+                             val_epochs[best], args.seed)
     scores = {"layer_val_mae": {str(k): round(v, 2) for k, v in val_mae.items()},
+              "layer_epochs": {str(k): v for k, v in val_epochs.items()},
+              "probe_epochs": val_epochs[best],
               "head_epochs_val_mae": {str(k): round(v, 2) for k, v in head_val.items()},
               "head_epochs": head_epochs,
               "forget_val_mae": {str(k): round(v, 2) for k, v in forget_val.items()},
@@ -299,6 +306,13 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="", help="folder caching teacher-forced hidden states")
 
 
+def _epochs(text: str) -> str:
+    """``--epochs``: ``auto`` or a positive count."""
+    if text != "auto" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"expected auto or a positive integer, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``prefixmesh predictor`` arguments."""
     ap = argparse.ArgumentParser(prog="prefixmesh predictor", description=__doc__.split("\n")[0])
@@ -313,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-tokens", type=float, default=DEFAULT_MAX_TOKENS,
                    help="upper edge of the last bin (tokens)")
     t.add_argument("--spacing", choices=BIN_SPACINGS, default="linear")
-    t.add_argument("--epochs", type=int, default=60, help="probe training epochs")
+    t.add_argument("--epochs", type=_epochs, default="auto",
+                   help="probe training epochs, or auto: the best of "
+                        f"{', '.join(map(str, PROBE_EPOCHS))} per layer on the validation requests")
     t.add_argument("--forget", default="1.0",
                    help="Bayesian update's forgetting factor: 1.0 is TRAIL's; auto: chosen "
                         "on the validation requests")

@@ -14,6 +14,7 @@ from loadgen.results import summarize
 from loadgen.sweep import main as sim_main
 from loadgen.workloads import WorkloadRequest
 from services.scheduler.policies.base import PolicyConfig
+from services.worker.engine.types import SimEngineConfig
 
 pytestmark = pytest.mark.unit
 
@@ -185,3 +186,26 @@ def test_knee_cli_keeps_only_the_named_policies(tmp_path, capsys) -> None:
     main([str(f), "--policies", "round_robin;e2:th_bal=inf,x=1"])
     out = capsys.readouterr().out
     assert "e2:th_bal=inf,x=1/fcfs" in out and "weighted" not in out
+
+
+def test_run_counts_the_engines_preemptions() -> None:
+    # One slot: a long request runs, then short ones queue behind it. sprpt_limited (oracle
+    # lengths) evicts the long one inside its preemptable window; fcfs never preempts.
+    long = WorkloadRequest(prompt=list(range(100, 164)), max_tokens=400, prefix_id="l",
+                           output_len=400)
+    short = [WorkloadRequest(prompt=list(range(1000 * k, 1000 * k + 64)), max_tokens=4,
+                             prefix_id=f"s{k}", output_len=4) for k in range(1, 4)]
+    arrivals = [0.0, 0.5, 0.6, 0.7]
+    engine = SimEngineConfig(max_num_seqs=1)
+
+    def run(local: str):
+        cfg = ClusterConfig(gpus=1, policy="round_robin", local_policy=local,
+                            engine_config=engine, predictions="oracle")
+        return ClusterSim(cfg).run([long, *short], arrivals)
+
+    fcfs, srpt = run("fcfs"), run("sprpt_limited")
+    assert all(r.ok for r in fcfs.results + srpt.results)
+    assert fcfs.preemptions == 0
+    assert srpt.preemptions >= 1
+    # The short requests no longer wait for the long one to finish.
+    assert max(r.latency_s for r in srpt.results[1:]) < min(r.latency_s for r in fcfs.results[1:])

@@ -148,3 +148,14 @@ def test_refine_runs_one_smoother_per_request_in_step_order() -> None:
     a = Smoother(TWO, init[0], 1, forget=0.5)
     b = Smoother(TWO, init[1], 1, forget=0.5)
     np.testing.assert_allclose(got, [a.update(probs[0]), b.update(probs[1]), a.update(probs[2])])
+
+
+def test_train_epochs_argument_is_auto_or_a_positive_count() -> None:
+    from services.predictor.train import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["train", "--out", "a"]).epochs == "auto"
+    assert parse(["train", "--out", "a", "--epochs", "5"]).epochs == "5"
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            parse(["train", "--out", "a", "--epochs", bad])
