@@ -5,6 +5,12 @@ prompt, and the first gpt reply in SmolLM2 tokens plus its end token. Conversati
 numbered as the ``sharegpt`` workload numbers them (``conv{i}`` is its ``prefix_id``), so
 predictions made here can be attached to that workload's requests in the simulator.
 
+Replies come from ShareGPT (``replies="sharegpt"``, the default) or from SmolLM2 itself
+(``replies="model"``, ``model_replies``): the serving model samples its own reply to each
+prompt, as TRAIL collects its data, so the length label is what the served model would
+generate and the hidden states are those it had while generating it (teacher-forcing a
+sampled reply reproduces them). Generated replies are cached as JSON chunks too.
+
 Hidden states come from teacher forcing: the prompt (truncated) and the reply go through
 SmolLM2 in one forward pass and the states of several layers are read at every
 ``stride``-th reply position. That pass is the expensive part (about a second per
@@ -36,6 +42,10 @@ SAMPLE_FILTERS = ("none", "vllm")
 CACHED_LAYERS = (4, 8, 12, 16, 20, 24, 28)
 # Samples per cached chunk of hidden states.
 CACHE_CHUNK = 25
+# Where the replies come from: ShareGPT's gpt turn, or SmolLM2's own sampled reply.
+REPLY_SOURCES = ("sharegpt", "model")
+# SmolLM2's end tokens: the tokenizer's eos (<|im_end|> = 2) and <|endoftext|> (0).
+END_IDS = (2, 0)
 # Hidden states are cached as float16 (the probe standardises its inputs; half precision
 # loses nothing it can use and halves the cache).
 CACHE_DTYPE = np.float16
@@ -49,6 +59,7 @@ class Sample:
     prompt: str
     prompt_ids: list[int]  # chat prompt in SmolLM2 tokens (truncated)
     reply_ids: list[int]  # reply + end token in SmolLM2 tokens (untruncated)
+    source: str = "sharegpt"  # of the reply: "sharegpt", or "model" (SmolLM2's own)
 
     @property
     def length(self) -> int:
@@ -105,7 +116,68 @@ def _chunk_key(chunk: list[Sample], layers: list[int], stride: int, max_reply: i
     spec = {"convs": [s.conv for s in chunk], "prompt": [len(s.prompt_ids) for s in chunk],
             "reply": [s.length for s in chunk], "layers": layers, "stride": stride,
             "max_reply": max_reply, "model": "smollm2-135m-instruct"}
+    if any(s.source != "sharegpt" for s in chunk):  # same lengths, other tokens
+        spec["reply_ids"] = hashlib.sha256(
+            json.dumps([s.reply_ids for s in chunk]).encode()).hexdigest()
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+
+def model_replies(samples: list[Sample], max_new: int, temperature: float, seed: int,
+                  threads: int, cache: Path | None = None) -> list[Sample]:
+    """The samples with SmolLM2's own replies: sampled at ``temperature`` (top-p 0.95), at
+    most ``max_new`` tokens; a reply that ends keeps its end token, one cut at ``max_new``
+    has none (its label is the cap). Chunk ``c`` is generated as one left-padded batch under
+    seed ``seed + c``, so a chunk's replies do not depend on which other chunks are run."""
+    import torch
+
+    out: list[Sample] = []
+    model = None
+    t0 = time.perf_counter()
+    for c0 in range(0, len(samples), CACHE_CHUNK):
+        chunk = samples[c0:c0 + CACHE_CHUNK]
+        spec = {"convs": [s.conv for s in chunk], "prompt": [s.prompt_ids for s in chunk],
+                "max_new": max_new, "temperature": temperature, "seed": seed + c0,
+                "model": "smollm2-135m-instruct"}
+        key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+        path = None if cache is None else cache / f"replies-{key}.json"
+        if path is not None and path.exists():
+            replies = json.loads(path.read_text())
+        else:
+            if model is None:
+                from services.worker.engine.hf_model import load_model
+
+                model = load_model("", threads)
+            width = max(len(s.prompt_ids) for s in chunk)
+            pad = END_IDS[0]
+            ids = torch.tensor([[pad] * (width - len(s.prompt_ids)) + s.prompt_ids
+                                for s in chunk])
+            mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids)
+                                 for s in chunk])
+            torch.manual_seed(seed + c0)
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                     temperature=temperature, top_p=0.95,
+                                     max_new_tokens=max_new, eos_token_id=list(END_IDS),
+                                     pad_token_id=pad)[:, width:].tolist()
+            replies = [_cut_at_end(g) for g in gen]
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(replies))
+                tmp.replace(path)
+        out.extend(Sample(s.conv, s.prompt, s.prompt_ids, r, "model")
+                   for s, r in zip(chunk, replies, strict=True))
+        log.info("model replies %d/%d (%.0f s)", len(out), len(samples),
+                 time.perf_counter() - t0)
+    return out
+
+
+def _cut_at_end(tokens: list[int]) -> list[int]:
+    """A generated row up to and including its first end token (all of it if none)."""
+    for i, t in enumerate(tokens):
+        if t in END_IDS:
+            return tokens[: i + 1]
+    return tokens
 
 
 def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_reply: int,

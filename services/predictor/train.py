@@ -4,6 +4,9 @@ Data (services/predictor/data.py): a seeded order of ShareGPT first exchanges, o
 filtered as the ``sharegpt`` workload filters them. With ``--split test-first`` (new
 artifacts) the first ``--test`` samples are held out and the next ``--train`` train, so the
 test set does not move when the training set grows; ``train-first`` is the older layout.
+With ``--replies model`` the replies (and so the length labels) are SmolLM2's own, sampled
+once per prompt and cached (``data.model_replies``), as TRAIL labels its data with the
+serving model's outputs; the default is ShareGPT's reply in SmolLM2 tokens.
 
 collect: teacher-force the samples through SmolLM2 and cache their hidden states (the slow
 part), test split first; ``train`` and ``eval`` then read the cache.
@@ -31,7 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.data import SAMPLE_FILTERS, Sample, collect_hidden, load_samples
+from services.predictor.data import (
+    REPLY_SOURCES,
+    SAMPLE_FILTERS,
+    Sample,
+    collect_hidden,
+    load_samples,
+    model_replies,
+)
 from services.predictor.trail import (
     BIN_SPACINGS,
     DEFAULT_MAX_TOKENS,
@@ -50,10 +60,10 @@ LATENCY_REPEATS = 20
 SPLITS = ("train-first", "test-first")
 # Head epochs tried on the validation requests (the head is small; its data is one row per
 # request, so the best count depends on the training set's size).
-HEAD_EPOCHS = (20, 60, 150, 400)
+HEAD_EPOCHS = (5, 10, 20, 60, 150, 400)
 # Probe epochs tried by ``--epochs auto`` for each candidate layer: the readings of one
 # request are strongly correlated, so the probe overfits a few thousand requests quickly.
-PROBE_EPOCHS = (3, 5, 10, 20)
+PROBE_EPOCHS = (1, 2, 3, 5, 10, 20)
 # Forgetting factors tried by ``--forget auto`` (1.0 is TRAIL's update).
 FORGET_GRID = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.3, 0.0)
 VALIDATION_SHARE = 0.2
@@ -65,8 +75,14 @@ def split_samples(cfg: dict, tok, n_test: int | None = None) -> tuple[list[Sampl
     samples = load_samples(n_train + n_test, cfg["seed"], cfg["max_prompt"], tok,
                            cfg.get("filter", "none"))
     if cfg.get("split", "train-first") == "test-first":
-        return samples[n_test:], samples[:n_test]
-    return samples[:n_train], samples[n_train:]
+        train_s, test_s = samples[n_test:], samples[:n_test]
+    else:
+        train_s, test_s = samples[:n_train], samples[n_train:]
+    if cfg.get("replies", "sharegpt") == "model":  # the test split's replies first
+        test_s, train_s = (model_replies(part, cfg["reply_tokens"], cfg["reply_temperature"],
+                                         cfg["seed"], cfg["threads"], _cache(cfg))
+                           for part in (test_s, train_s))
+    return train_s, test_s
 
 
 def _cache(cfg: dict) -> Path | None:
@@ -297,6 +313,13 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="vllm: keep the conversations the sharegpt workload keeps")
     p.add_argument("--split", choices=SPLITS, default="train-first",
                    help="test-first: the held-out set stays fixed as --train grows")
+    p.add_argument("--replies", choices=REPLY_SOURCES, default="sharegpt",
+                   help="length labels: ShareGPT's reply, or SmolLM2's own sampled reply "
+                        "(generated once, cached)")
+    p.add_argument("--reply-tokens", type=int, default=512,
+                   help="--replies model: most tokens generated (longer replies are cut)")
+    p.add_argument("--reply-temperature", type=float, default=0.7,
+                   help="--replies model: sampling temperature")
     p.add_argument("--layers", default=DEFAULT_LAYERS, help="SmolLM2 layers to try")
     p.add_argument("--stride", type=int, default=8, help="decode tokens between probe readings")
     p.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept")

@@ -159,3 +159,23 @@ def test_train_epochs_argument_is_auto_or_a_positive_count() -> None:
     for bad in ("0", "-3", "many"):
         with pytest.raises(SystemExit):
             parse(["train", "--out", "a", "--epochs", bad])
+
+
+def test_generated_reply_is_cut_after_its_first_end_token() -> None:
+    from services.predictor.data import _cut_at_end
+
+    assert _cut_at_end([5, 6, 2, 2, 2]) == [5, 6, 2]  # <|im_end|>, then padding
+    assert _cut_at_end([5, 0, 7]) == [5, 0]  # <|endoftext|>
+    assert _cut_at_end([5, 6, 7]) == [5, 6, 7]  # cut by the token cap: no end token
+
+
+def test_hidden_state_cache_key_tells_model_replies_apart() -> None:
+    from services.predictor.data import Sample, _chunk_key
+
+    share = [Sample(3, "p", [1, 2], [4, 5, 2])]
+    same_lengths = [Sample(3, "p", [1, 2], [8, 9, 2], "model")]
+    other_tokens = [Sample(3, "p", [1, 2], [8, 7, 2], "model")]
+    key = lambda chunk: _chunk_key(chunk, [20], 8, 2048)  # noqa: E731
+    assert len({key(share), key(same_lengths), key(other_tokens)}) == 3
+    # ShareGPT chunks keep the key they had before replies could come from the model.
+    assert key(share) == key([Sample(3, "p", [1, 2], [6, 6, 2])])
