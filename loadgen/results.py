@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,12 @@ class RequestResult:
     send_lag_s: float = 0.0  # sent this much after its arrival time (wall seconds)
 
 
+# Distinct error messages a row lists for its failed requests (the most frequent first), and
+# the characters kept of each.
+ERRORS_LISTED = 5
+ERROR_CHARS = 160
+
+
 def percentile(sorted_values: Sequence[float], p: float) -> float:
     """Nearest-rank percentile of already sorted values (0 for none)."""
     if not sorted_values:
@@ -32,14 +39,15 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
 def summarize(results: Sequence[RequestResult], duration_s: float, **labels: Any
               ) -> dict[str, Any]:
     """One run's row: ``labels`` (policy, local_policy, workload, rate, gpus, backend) plus
-    the latency, TTFT, TPOT, throughput and cache-hit figures."""
+    the latency, TTFT, TPOT, throughput and cache-hit figures; with failures, ``errors``
+    counts their messages (the ``ERRORS_LISTED`` most frequent)."""
     ok = [r for r in results if r.ok]
     lat = sorted(r.latency_s for r in ok)
     ttft = sorted(r.ttft_s for r in ok)
     tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
-    return {
+    row = {
         **labels,
         "requests": len(results),
         "completed": len(ok),
@@ -54,6 +62,10 @@ def summarize(results: Sequence[RequestResult], duration_s: float, **labels: Any
         "throughput_rps": len(ok) / duration_s if duration_s > 0 else 0.0,
         "cache_hit_ratio": cached / prompt if prompt else 0.0,
     }
+    if len(ok) < len(results):
+        seen = Counter((r.error or "unknown")[:ERROR_CHARS] for r in results if not r.ok)
+        row["errors"] = dict(seen.most_common(ERRORS_LISTED))
+    return row
 
 
 def send_lag(results: Sequence[RequestResult]) -> dict[str, float]:

@@ -10,7 +10,7 @@ from loadgen.cluster_sim import ClusterConfig, ClusterSim
 from loadgen.policy_variants import parse_variant, split_variants
 from loadgen.report import load_runs, markdown
 from loadgen.report import main as report_main
-from loadgen.results import summarize
+from loadgen.results import RequestResult, summarize
 from loadgen.sweep import main as sim_main
 from loadgen.workloads import WorkloadRequest
 from services.scheduler.policies.base import PolicyConfig
@@ -209,3 +209,14 @@ def test_run_counts_the_engines_preemptions() -> None:
     assert srpt.preemptions >= 1
     # The short requests no longer wait for the long one to finish.
     assert max(r.latency_s for r in srpt.results[1:]) < min(r.latency_s for r in fcfs.results[1:])
+
+
+def test_summary_counts_the_failed_requests_messages() -> None:
+    results = [RequestResult(ok=True, latency_s=1.0, ttft_s=0.1, output_tokens=2),
+               RequestResult(ok=False, error="HTTP 503: generation failed: worker_lost"),
+               RequestResult(ok=False, error="HTTP 503: generation failed: worker_lost"),
+               RequestResult(ok=False)]
+    row = summarize(results, 1.0)
+    assert row["failed"] == 3
+    assert row["errors"] == {"HTTP 503: generation failed: worker_lost": 2, "unknown": 1}
+    assert "errors" not in summarize(results[:1], 1.0)
