@@ -26,6 +26,9 @@ from pathlib import Path
 
 from services.edge.schema import ApiError
 
+# The tenant of every request when auth is off: only the edge-wide bound applies to it (an
+# operator who turned auth off has no tenants to share the edge between).
+ANONYMOUS = ""
 # Defaults for a tenant whose limits are not written down.
 DEFAULT_RATE_RPS = 50.0
 DEFAULT_BURST = 100
@@ -125,6 +128,13 @@ class Admission:
             raise ApiError(503, f"the edge is at its limit of {self.max_inflight} requests "
                            "in flight; retry shortly", type="service_unavailable",
                            code="overloaded", headers={"Retry-After": "1"})
+        if tenant != ANONYMOUS:
+            self._tenant_limits(tenant, now)
+        self.inflight += 1
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
+
+    def _tenant_limits(self, tenant: str, now: float) -> None:
+        """Raise 429 when ``tenant`` is at its in-flight share or over its rate."""
         limits = self.keys.limits_of(tenant)
         if self._by_tenant.get(tenant, 0) >= limits.max_inflight:
             raise too_many(f"tenant has {limits.max_inflight} requests in flight, its share; "
@@ -136,8 +146,6 @@ class Admission:
         if wait > 0:
             raise too_many(f"rate limit of {limits.rate_rps:g} requests/s exceeded",
                            wait, "rate_limit_exceeded")
-        self.inflight += 1
-        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
 
     def leave(self, tenant: str) -> None:
         self.inflight -= 1

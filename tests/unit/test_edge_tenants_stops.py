@@ -74,3 +74,23 @@ def test_sim_logprobs_are_deterministic_and_normalised() -> None:
     assert math.isclose(sum(math.exp(x) for x in lps), 1.0)
     best = scored_token([1, 2, 3], [10, 20, 30], 5, text)
     assert best.logprob == max(lps) and len(best.top) == 3
+
+
+def test_auth_off_only_the_edge_wide_bound_applies() -> None:
+    # Every request is the anonymous tenant's; the per-tenant defaults (256 in flight,
+    # 50 req/s) would cap a benchmark, not share the edge between tenants.
+    adm = Admission(ApiKeys(), max_inflight=400)
+    for _ in range(400):
+        adm.enter("", 0.0)
+    with pytest.raises(ApiError) as e:
+        adm.enter("", 0.0)
+    assert e.value.status == 503
+    adm.leave("")
+    adm.enter("", 0.0)
+    # A named tenant without written limits still gets the defaults.
+    other = Admission(ApiKeys(), max_inflight=10_000)
+    for _ in range(TenantLimits().burst):
+        other.enter("t", 0.0)
+    with pytest.raises(ApiError) as e:
+        other.enter("t", 0.0)
+    assert e.value.status == 429
