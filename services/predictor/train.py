@@ -101,6 +101,18 @@ def refine(initial: np.ndarray, probs: np.ndarray, owner: np.ndarray, bins: Leng
     return out
 
 
+def remaining_median(lengths: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """For each step ``t``: the median of ``L - t`` over the ``lengths`` ``L > t`` (0 when
+    none is that long), the best guess of the remaining length from ``t`` alone."""
+    lengths = np.sort(np.asarray(lengths))
+    out = np.zeros(len(steps))
+    for t in np.unique(steps):
+        longer = lengths[lengths > t]
+        if len(longer):
+            out[steps == t] = np.median(longer) - t
+    return out
+
+
 def _mae(pred: np.ndarray, target: np.ndarray) -> float:
     return float(np.mean(np.abs(np.asarray(pred) - target)))
 
@@ -204,7 +216,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     art = PredictorArtifact.load(Path(args.model))
     tc = art.train_config
-    _, samples = split_samples(tc, TextTokenizer.load(), args.test or None)
+    train_s, samples = split_samples(tc, TextTokenizer.load(), args.test or None)
     bins, stride = art.bins, int(art.tokens_per_update)
     forget = float(art.scores.get("forget", 1.0))
     enc = PromptEncoder(threads=tc["threads"], mode=tc["encoder"])
@@ -215,7 +227,9 @@ def evaluate(args: argparse.Namespace) -> dict:
                                           tc["threads"], _cache(tc))
     probs = predict_proba(art.probe, hidden[art.layer].astype(np.float32))
     true = lengths[owner] - steps
+    train_lengths = np.array([s.length for s in train_s])
     err = {"bert": np.abs(np.maximum(init_pred[owner] - steps, 0.0) - true),
+           "steps_only": np.abs(remaining_median(train_lengths, steps) - true),
            "refined": np.abs(refine(initial, probs, owner, bins, stride, forget) - true),
            "trail": np.abs(refine(initial, probs, owner, bins, stride, 1.0) - true),
            "probe_only": np.abs(expected_length(probs, bins) - true)}
@@ -232,6 +246,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         "mae_refined": round(float(err["refined"].mean()), 2),
         "mae_refined_trail_update": round(float(err["trail"].mean()), 2),
         "mae_bert_same_steps": round(float(err["bert"].mean()), 2),
+        # Baselines that read no text: the training median as every request's length, and
+        # at each reading the median remaining length of training replies that long.
+        "mae_constant": round(_mae(np.full(len(lengths), np.median(train_lengths)), lengths), 2),
+        "mae_steps_only": round(float(err["steps_only"].mean()), 2),
         "mae_probe_only": round(float(err["probe_only"].mean()), 2),
         "mae_refined_request_mean": round(float(np.mean(
             [err["refined"][owner == i].mean() for i in np.unique(owner)])), 2),

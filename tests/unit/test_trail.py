@@ -179,3 +179,13 @@ def test_hidden_state_cache_key_tells_model_replies_apart() -> None:
     assert len({key(share), key(same_lengths), key(other_tokens)}) == 3
     # ShareGPT chunks keep the key they had before replies could come from the model.
     assert key(share) == key([Sample(3, "p", [1, 2], [6, 6, 2])])
+
+
+def test_remaining_median_reads_only_the_replies_still_running() -> None:
+    from services.predictor.train import remaining_median
+
+    lengths = np.array([10, 20, 30, 100])
+    got = remaining_median(lengths, np.array([0, 15, 25, 50, 100, 15]))
+    # t=0: median of all = 25; t=15: of 20,30,100 -> 30 - 15; t=25: of 30,100 -> 65 - 25;
+    # t=50: of 100 -> 50; t=100: none is longer -> 0.
+    np.testing.assert_allclose(got, [25, 15, 40, 50, 0, 15])
