@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.trail import LengthBins
+from services.predictor.trail import STEP_REPEAT, LengthBins
 
 # Longest prompt the encoder reads (MiniLM's own limit is 256 word pieces).
 ENCODER_MAX_TOKENS = 256
@@ -106,6 +106,9 @@ class PredictorArtifact:
     scores: dict = field(default_factory=dict)
     head: nn.Module | None = None
     probe: nn.Module | None = None
+    # Whether the probe also reads the decode step (``probe_input``): an extension of
+    # TRAIL, whose probe reads the hidden state alone.
+    step_features: bool = False
 
     def save(self, folder: Path) -> None:
         """Write config.json and the two weight files."""
@@ -115,6 +118,7 @@ class PredictorArtifact:
         meta = {"bins": self.bins.to_dict(), "embed_dim": self.embed_dim,
                 "hidden_dim": self.hidden_dim, "layer": self.layer,
                 "tokens_per_update": self.tokens_per_update,
+                "step_features": self.step_features,
                 "head_hidden": HEAD_HIDDEN, "probe_hidden": PROBE_HIDDEN,
                 "train_config": self.train_config, "scores": self.scores}
         (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -130,11 +134,13 @@ class PredictorArtifact:
         bins = LengthBins.from_dict(meta["bins"])
         head = classifier(meta["embed_dim"], meta["head_hidden"], bins.num_bins)
         head.load_state_dict(load_file(str(folder / HEAD_FILE)))
-        probe = classifier(meta["hidden_dim"], meta["probe_hidden"], bins.num_bins)
+        steps = bool(meta.get("step_features", False))
+        probe = classifier(meta["hidden_dim"] + (2 * STEP_REPEAT if steps else 0),
+                           meta["probe_hidden"], bins.num_bins)
         probe.load_state_dict(load_file(str(folder / PROBE_FILE)))
         return cls(bins, meta["embed_dim"], meta["hidden_dim"], meta["layer"],
                    meta["tokens_per_update"], meta.get("train_config", {}),
-                   meta.get("scores", {}), head.eval(), probe.eval())
+                   meta.get("scores", {}), head.eval(), probe.eval(), step_features=steps)
 
     def describe(self) -> dict[str, Any]:
         """Config without weights (for logs and eval output)."""

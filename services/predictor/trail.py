@@ -150,6 +150,24 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+# Step features of the probe's input (``probe_input``; artifacts with ``step_features``):
+# log(1 + t) and t / STEP_SCALE, each repeated STEP_REPEAT times so that two inputs are not
+# drowned by the hidden state's hundreds at the first layer's initialisation.
+STEP_SCALE = 512.0
+STEP_REPEAT = 8
+
+
+def probe_input(hidden: np.ndarray, steps: np.ndarray | int, step_features: bool) -> np.ndarray:
+    """The probe's input rows: hidden states ``[rows, dim]`` (or one ``[dim]``), with the
+    step features of their decode steps appended when ``step_features``."""
+    hidden = np.asarray(hidden, dtype=np.float32)
+    if not step_features:
+        return hidden
+    t = np.asarray(steps, dtype=np.float32)
+    feats = np.stack([np.log1p(t), t / STEP_SCALE], -1)
+    return np.concatenate([hidden, np.repeat(feats, STEP_REPEAT, -1)], -1)
+
+
 class Smoother:
     """Per-request running posterior: seed it with the initial distribution, feed it each
     step's probe distribution, read the expected remaining tokens."""

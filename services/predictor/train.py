@@ -49,6 +49,7 @@ from services.predictor.trail import (
     LengthBins,
     Smoother,
     expected_length,
+    probe_input,
 )
 
 log = logging.getLogger(__name__)
@@ -172,10 +173,11 @@ def train(args: argparse.Namespace) -> dict:
                                           args.threads, _cache(cfg))
     remaining = lengths[owner] - steps
     fit = owner < n_fit
+    with_steps = args.step_features
     epoch_grid = PROBE_EPOCHS if args.epochs == "auto" else (int(args.epochs),)
     val_mae, val_probe, val_epochs = {}, {}, {}  # per layer: its best epoch count
     for k in layers:
-        x = hidden[k]
+        x = probe_input(hidden[k], steps, with_steps)
         for e in epoch_grid:
             probe = train_classifier(x[fit], bins.bin_of(remaining[fit]),
                                      mlp(x.shape[1], PROBE_HIDDEN, bins.num_bins), e, args.seed)
@@ -186,15 +188,16 @@ def train(args: argparse.Namespace) -> dict:
     best = min(val_mae, key=val_mae.get)
     # Forgetting factor on the validation requests (head and probe trained without them).
     init_val = predict_proba(head_fit, emb)  # rows of validation requests are used below
-    probs_val = predict_proba(val_probe[best], hidden[best][~fit])
+    x_best = probe_input(hidden[best], steps, with_steps)
+    probs_val = predict_proba(val_probe[best], x_best[~fit])
     forget_val = {f: _mae(refine(init_val, probs_val, owner[~fit], bins, args.stride, f),
                           remaining[~fit]) for f in FORGET_GRID}
     forget = (min(forget_val, key=forget_val.get) if args.forget == "auto"
               else float(args.forget))
     log.info("refined validation MAE by forgetting factor %s: %.2f used", forget_val, forget)
     head = fit_head(slice(None), head_epochs)
-    probe = train_classifier(hidden[best].astype(np.float32), bins.bin_of(remaining),
-                             mlp(hidden[best].shape[1], PROBE_HIDDEN, bins.num_bins),
+    probe = train_classifier(x_best, bins.bin_of(remaining),
+                             mlp(x_best.shape[1], PROBE_HIDDEN, bins.num_bins),
                              val_epochs[best], args.seed)
     scores = {"layer_val_mae": {str(k): round(v, 2) for k, v in val_mae.items()},
               "layer_epochs": {str(k): v for k, v in val_epochs.items()},
@@ -204,7 +207,7 @@ def train(args: argparse.Namespace) -> dict:
               "forget_val_mae": {str(k): round(v, 2) for k, v in forget_val.items()},
               "forget": forget}
     art = PredictorArtifact(bins, enc.dim, hidden[best].shape[1], best, float(args.stride),
-                            cfg, scores, head, probe)
+                            cfg, scores, head, probe, step_features=with_steps)
     art.save(Path(args.out))
     return art.describe()
 
@@ -225,7 +228,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     init_pred = expected_length(initial, bins)
     hidden, steps, owner = collect_hidden(samples, [art.layer], stride, tc["max_reply"],
                                           tc["threads"], _cache(tc))
-    probs = predict_proba(art.probe, hidden[art.layer].astype(np.float32))
+    probs = predict_proba(art.probe, probe_input(hidden[art.layer], steps, art.step_features))
     true = lengths[owner] - steps
     train_lengths = np.array([s.length for s in train_s])
     err = {"bert": np.abs(np.maximum(init_pred[owner] - steps, 0.0) - true),
@@ -375,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Bayesian update's forgetting factor: 1.0 is TRAIL's; auto: chosen "
                         "on the validation requests")
     t.add_argument("--encoder", choices=("full", "static"), default="full")
+    t.add_argument("--step-features", action="store_true",
+                   help="the probe also reads the decode step (log(1+t), t/512); TRAIL's "
+                        "probe reads the hidden state alone")
     t.add_argument("--json", type=Path, default=None, help="also write the config here")
     e = sub.add_parser("eval", help="score an artifact on its held-out split")
     e.add_argument("--model", required=True, help="artifact folder")

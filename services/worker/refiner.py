@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from services.predictor.trail import LengthBins, Smoother, softmax
+from services.predictor.trail import LengthBins, Smoother, probe_input, softmax
 from services.worker.engine.types import EngineRequest, RequestStatus
 from shared.messages import LengthDistribution
 
@@ -90,10 +90,12 @@ class Refiner:
     """Per-request probe readings -> Smoother -> ``update(request_id, remaining_tokens)``."""
 
     def __init__(self, probe: ProbeMLP, bins: LengthBins, layer: int, tokens_per_update: int,
-                 update: Update | None = None, forget: float = 1.0) -> None:
+                 update: Update | None = None, forget: float = 1.0,
+                 step_features: bool = False) -> None:
         if tokens_per_update < 1:
             raise ValueError("tokens_per_update must be >= 1")
         self.probe, self.bins, self.layer = probe, bins, layer
+        self.step_features = step_features  # the probe also reads the decode step
         self.every = tokens_per_update
         self.forget = forget  # the Bayesian update's forgetting factor (1.0: TRAIL's)
         self.update = update
@@ -110,7 +112,7 @@ class Refiner:
         art = PredictorArtifact.load(Path(folder))
         probe = ProbeMLP.from_state_dict(art.probe.state_dict())
         return cls(probe, art.bins, art.layer, max(1, round(art.tokens_per_update)), update,
-                   float(art.scores.get("forget", 1.0)))
+                   float(art.scores.get("forget", 1.0)), art.step_features)
 
     def on_hidden(self, req: EngineRequest, generated: int, hidden: np.ndarray) -> None:
         """``HfEngine.on_hidden``: ``hidden`` was read just before sampling output token
@@ -128,7 +130,8 @@ class Refiner:
                                          req.predicted_distribution)
                 entry = (req, Smoother(self.bins, seed, self.every, self.forget))
                 self._smoothers[req.request_id] = entry
-            remaining_at_t = entry[1].update(self.probe.proba(hidden))
+            x = probe_input(hidden, t, self.step_features)
+            remaining_at_t = entry[1].update(self.probe.proba(x))
             self.readings += 1
             if self.update is not None:  # one of them (the sampled token) is now out
                 self.update(req.request_id, max(remaining_at_t - 1.0, 0.0))

@@ -48,3 +48,30 @@ def test_probe_learns_a_separable_rule_and_round_trips(tmp_path: Path) -> None:
     assert back.layer == 7 and back.bins == bins and back.tokens_per_update == 8.0
     np.testing.assert_allclose(predict_proba(back.probe, x), p, rtol=1e-5, atol=1e-6)
     assert expected_length(p[:1], bins).shape == (1,)
+
+
+def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path) -> None:
+    from services.predictor.trail import STEP_REPEAT, probe_input
+    from services.worker.refiner import Refiner
+
+    bins = LengthBins.make(4, 400)
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(800, 16)).astype(np.float32)
+    steps = rng.integers(0, 400, size=800)
+    x = probe_input(hidden, steps, True)
+    assert x.shape == (800, 16 + 2 * STEP_REPEAT)
+    y = bins.bin_of(400 - steps - 1)  # the remaining length is the step's business alone
+    probe = train_classifier(x, y, mlp(x.shape[1], PROBE_HIDDEN, 4), epochs=30, seed=0)
+    head = train_classifier(hidden, y, mlp(16, HEAD_HIDDEN, 4), epochs=2, seed=0)
+    PredictorArtifact(bins, 16, 16, 7, 8.0, {}, {}, head, probe,
+                      step_features=True).save(tmp_path / "s")
+    back = PredictorArtifact.load(tmp_path / "s")
+    assert back.step_features and back.hidden_dim == 16
+    np.testing.assert_allclose(predict_proba(back.probe, x), predict_proba(probe, x),
+                               rtol=1e-5, atol=1e-6)
+    # The worker's numpy probe appends the same features: one hidden state, two steps.
+    refiner = Refiner.load(tmp_path / "s")
+    assert refiner.step_features and refiner.probe.input_dim == x.shape[1]
+    early = refiner.probe.proba(probe_input(hidden[0], 0, True))
+    late = refiner.probe.proba(probe_input(hidden[0], 390, True))
+    assert early.argmax() == 3 and late.argmax() == 0

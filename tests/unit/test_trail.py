@@ -189,3 +189,16 @@ def test_remaining_median_reads_only_the_replies_still_running() -> None:
     # t=0: median of all = 25; t=15: of 20,30,100 -> 30 - 15; t=25: of 30,100 -> 65 - 25;
     # t=50: of 100 -> 50; t=100: none is longer -> 0.
     np.testing.assert_allclose(got, [25, 15, 40, 50, 0, 15])
+
+
+def test_probe_input_appends_repeated_step_features() -> None:
+    from services.predictor.trail import STEP_REPEAT, STEP_SCALE, probe_input
+
+    h = np.ones((3, 4))
+    assert probe_input(h, np.array([0, 1, 2]), False).shape == (3, 4)
+    x = probe_input(h, np.array([0, 8, 512]), True)
+    assert x.shape == (3, 4 + 2 * STEP_REPEAT) and x.dtype == np.float32
+    np.testing.assert_allclose(x[:, 4], np.log1p([0, 8, 512]), rtol=1e-6)
+    np.testing.assert_allclose(x[:, 4 + STEP_REPEAT], np.array([0, 8, 512]) / STEP_SCALE)
+    one = probe_input(np.ones(4), 8, True)  # one hidden state at one step (the worker)
+    np.testing.assert_allclose(one, x[1])
