@@ -231,11 +231,18 @@ def evaluate(args: argparse.Namespace) -> dict:
     probs = predict_proba(art.probe, probe_input(hidden[art.layer], steps, art.step_features))
     true = lengths[owner] - steps
     train_lengths = np.array([s.length for s in train_s])
-    err = {"bert": np.abs(np.maximum(init_pred[owner] - steps, 0.0) - true),
+    # No reply outruns its token budget: with generated replies (cut at --reply-tokens, as
+    # an engine cuts at max_tokens) every estimate is clipped at budget - t, as the worker's
+    # refiner clips at max_tokens - t. ShareGPT's replies have no budget.
+    budget = tc["reply_tokens"] if tc.get("replies") == "model" else np.inf
+    room = budget - steps
+    refined = np.minimum(refine(initial, probs, owner, bins, stride, forget), room)
+    err = {"bert": np.abs(np.minimum(np.maximum(init_pred[owner] - steps, 0.0), room) - true),
            "steps_only": np.abs(remaining_median(train_lengths, steps) - true),
-           "refined": np.abs(refine(initial, probs, owner, bins, stride, forget) - true),
-           "trail": np.abs(refine(initial, probs, owner, bins, stride, 1.0) - true),
-           "probe_only": np.abs(expected_length(probs, bins) - true)}
+           "refined": np.abs(refined - true),
+           "trail": np.abs(np.minimum(refine(initial, probs, owner, bins, stride, 1.0), room)
+                           - true),
+           "probe_only": np.abs(np.minimum(expected_length(probs, bins), room) - true)}
     bucket = args.bucket
     by_step = []
     for lo in range(0, int(tc["max_reply"]), bucket):
@@ -269,7 +276,6 @@ def evaluate(args: argparse.Namespace) -> dict:
         result["latency_batch32_ms"] = _latency(enc, art, [s.prompt for s in samples],
                                                 args.latency_repeats)
     if args.preds is not None:
-        refined = refine(initial, probs, owner, bins, stride, forget)
         preds = {f"conv{s.conv}": {
             "length": s.length, "initial": round(float(init_pred[i]), 1),
             "steps": steps[owner == i].tolist(),

@@ -134,7 +134,9 @@ class Refiner:
             remaining_at_t = entry[1].update(self.probe.proba(x))
             self.readings += 1
             if self.update is not None:  # one of them (the sampled token) is now out
-                self.update(req.request_id, max(remaining_at_t - 1.0, 0.0))
+                # No request outruns its budget: at most max_tokens - generated are left.
+                left = min(remaining_at_t - 1.0, req.max_tokens - generated)
+                self.update(req.request_id, max(left, 0.0))
         self.seconds += time.perf_counter() - t0
 
     def _sweep(self) -> None:

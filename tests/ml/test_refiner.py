@@ -115,8 +115,22 @@ async def test_refinement_reaches_sprpt_limited(artifact: Path) -> None:
     # Readings before tokens 1, 3, 5, ..., 13: every TOKENS_PER_UPDATE tokens.
     assert [n for n, _, _ in seen] == list(range(1, 14, TOKENS_PER_UPDATE))
     assert refiner.calls == 13 and refiner.readings == len(seen)
-    # The policy holds each refinement: tokens out + the remaining tokens predicted.
+    # The policy holds each refinement: tokens out + the remaining tokens predicted, never
+    # past the request's budget of 13.
     for n, remaining, refined in seen:
         assert refined == pytest.approx(n + remaining)
-    assert len({round(r, 6) for _, _, r in seen}) > 1  # it moves over decode steps
+        assert remaining <= 13 - n
+    assert len({round(r, 6) for _, r, _ in seen}) > 1  # it moves over decode steps
     assert policy.remaining(req) == pytest.approx(max(seen[-1][2] - 13, 0.0))
+
+
+def test_refinement_never_exceeds_the_budget_left(artifact: Path) -> None:
+    got: dict[str, float] = {}
+    refiner = Refiner.load(artifact, lambda rid, left: got.__setitem__(rid, left) or True)
+    hidden = np.random.default_rng(2).normal(size=HIDDEN) * 3
+    for rid, budget in (("wide", 100_000), ("tight", 4)):
+        req = EngineRequest(request_id=rid, prompt_token_ids=[1, 2, 3], max_tokens=budget,
+                            predicted_output=300.0)
+        refiner.on_hidden(req, 1, hidden)  # first token: 0 out before it, 1 now
+    assert got["wide"] > 3  # the probe's reading, a few hundred tokens
+    assert got["tight"] == 3  # max_tokens - generated
