@@ -6,7 +6,7 @@
   through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
   most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
 - ``P``: ``PT(tokens of R not cached on the worker)``.
-- Prefill backlog (added to ``L``; not in DESIGN.md's formula, off by default): weight x
+- Prefill backlog (added to ``L``; not in DESIGN.md's formula; default weight 1.0): weight x
   the seconds until the prefills already routed to the worker would be done, run one
   after another from their assignment (``WorkerState.busy_until``). ``L`` is work over
   the whole window, so a worker that prefilled a long prompt two minutes ago and one
