@@ -20,14 +20,15 @@ prefixes are invisible to another's, in the workers' caches and the scheduler's 
 from __future__ import annotations
 
 import math
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.edge.schema import ApiError
 
-# The tenant of every request when auth is off: only the edge-wide bound applies to it (an
-# operator who turned auth off has no tenants to share the edge between).
+# The tenant of every request when auth is off: it has no limits of its own, only the
+# edge-wide bound applies (an operator who turned auth off has no tenants to share between).
 ANONYMOUS = ""
 # Defaults for a tenant whose limits are not written down.
 DEFAULT_RATE_RPS = 50.0
@@ -40,6 +41,10 @@ class TenantLimits:
     rate_rps: float = DEFAULT_RATE_RPS  # requests per second, sustained (0 = unlimited)
     burst: int = DEFAULT_BURST  # requests, bucket capacity
     max_inflight: int = DEFAULT_MAX_INFLIGHT  # requests running at once
+
+
+# The anonymous tenant's limits: no rate limit (0), no in-flight share of its own.
+UNLIMITED = TenantLimits(rate_rps=0.0, burst=1, max_inflight=sys.maxsize)
 
 
 @dataclass(slots=True)
@@ -72,6 +77,8 @@ class ApiKeys:
         return out
 
     def limits_of(self, tenant: str) -> TenantLimits:
+        if tenant == ANONYMOUS:
+            return UNLIMITED
         return self.limits.get(tenant) or TenantLimits()
 
 
@@ -128,13 +135,6 @@ class Admission:
             raise ApiError(503, f"the edge is at its limit of {self.max_inflight} requests "
                            "in flight; retry shortly", type="service_unavailable",
                            code="overloaded", headers={"Retry-After": "1"})
-        if tenant != ANONYMOUS:
-            self._tenant_limits(tenant, now)
-        self.inflight += 1
-        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
-
-    def _tenant_limits(self, tenant: str, now: float) -> None:
-        """Raise 429 when ``tenant`` is at its in-flight share or over its rate."""
         limits = self.keys.limits_of(tenant)
         if self._by_tenant.get(tenant, 0) >= limits.max_inflight:
             raise too_many(f"tenant has {limits.max_inflight} requests in flight, its share; "
@@ -146,6 +146,8 @@ class Admission:
         if wait > 0:
             raise too_many(f"rate limit of {limits.rate_rps:g} requests/s exceeded",
                            wait, "rate_limit_exceeded")
+        self.inflight += 1
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
 
     def leave(self, tenant: str) -> None:
         self.inflight -= 1

@@ -128,8 +128,6 @@ def model_replies(samples: list[Sample], max_new: int, temperature: float, seed:
     most ``max_new`` tokens; a reply that ends keeps its end token, one cut at ``max_new``
     has none (its label is the cap). Chunk ``c`` is generated as one left-padded batch under
     seed ``seed + c``, so a chunk's replies do not depend on which other chunks are run."""
-    import torch
-
     out: list[Sample] = []
     model = None
     t0 = time.perf_counter()
@@ -147,19 +145,7 @@ def model_replies(samples: list[Sample], max_new: int, temperature: float, seed:
                 from services.worker.engine.hf_model import load_model
 
                 model = load_model("", threads)
-            width = max(len(s.prompt_ids) for s in chunk)
-            pad = END_IDS[0]
-            ids = torch.tensor([[pad] * (width - len(s.prompt_ids)) + s.prompt_ids
-                                for s in chunk])
-            mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids)
-                                 for s in chunk])
-            torch.manual_seed(seed + c0)
-            with torch.inference_mode():
-                gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
-                                     temperature=temperature, top_p=0.95,
-                                     max_new_tokens=max_new, eos_token_id=list(END_IDS),
-                                     pad_token_id=pad)[:, width:].tolist()
-            replies = [_cut_at_end(g) for g in gen]
+            replies = _sample_replies(model, chunk, max_new, temperature, seed + c0)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
@@ -170,6 +156,24 @@ def model_replies(samples: list[Sample], max_new: int, temperature: float, seed:
         log.info("model replies %d/%d (%.0f s)", len(out), len(samples),
                  time.perf_counter() - t0)
     return out
+
+
+def _sample_replies(model, chunk: list[Sample], max_new: int, temperature: float,
+                    seed: int) -> list[list[int]]:
+    """One left-padded batch of ``chunk``'s prompts through ``model.generate``, seeded."""
+    import torch
+
+    width = max(len(s.prompt_ids) for s in chunk)
+    pad = END_IDS[0]
+    ids = torch.tensor([[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in chunk])
+    mask = torch.tensor([[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids)
+                         for s in chunk])
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                             temperature=temperature, top_p=0.95, max_new_tokens=max_new,
+                             eos_token_id=list(END_IDS), pad_token_id=pad)
+    return [_cut_at_end(g) for g in gen[:, width:].tolist()]
 
 
 def _cut_at_end(tokens: list[int]) -> list[int]:

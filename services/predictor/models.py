@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.trail import STEP_REPEAT, LengthBins
+from services.predictor.trail import STEP_FEATURE_DIM, LengthBins
 
 # Longest prompt the encoder reads (MiniLM's own limit is 256 word pieces).
 ENCODER_MAX_TOKENS = 256
@@ -135,7 +135,7 @@ class PredictorArtifact:
         head = classifier(meta["embed_dim"], meta["head_hidden"], bins.num_bins)
         head.load_state_dict(load_file(str(folder / HEAD_FILE)))
         steps = bool(meta.get("step_features", False))
-        probe = classifier(meta["hidden_dim"] + (2 * STEP_REPEAT if steps else 0),
+        probe = classifier(meta["hidden_dim"] + (STEP_FEATURE_DIM if steps else 0),
                            meta["probe_hidden"], bins.num_bins)
         probe.load_state_dict(load_file(str(folder / PROBE_FILE)))
         return cls(bins, meta["embed_dim"], meta["hidden_dim"], meta["layer"],

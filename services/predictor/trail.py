@@ -155,6 +155,7 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 # drowned by the hidden state's hundreds at the first layer's initialisation.
 STEP_SCALE = 512.0
 STEP_REPEAT = 8
+STEP_FEATURE_DIM = 2 * STEP_REPEAT  # columns probe_input appends
 
 
 def probe_input(hidden: np.ndarray, steps: np.ndarray | int, step_features: bool) -> np.ndarray:

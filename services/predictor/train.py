@@ -15,7 +15,8 @@ train: MiniLM embeddings of the prompts train the head (epochs chosen on a valid
 of the training requests); one probe per candidate layer is trained on the other 80% of the
 training requests' readings and scored on the 20% (with ``--epochs auto``, the default, at
 each of a few epoch counts); the best layer wins. The Bayesian update's forgetting factor
-is TRAIL's 1.0 unless ``--forget auto`` chooses it on the same validation requests. The head and the chosen probe are then retrained on all of train.
+is TRAIL's 1.0 unless ``--forget auto`` chooses it on the same validation requests. The
+head and the chosen probe are then retrained on all of train.
 
 eval: on the held-out split, MAE (tokens) of the head's initial prediction, and per decode
 step of the refined prediction (probe + Bayesian update seeded with the head's
@@ -79,10 +80,13 @@ def split_samples(cfg: dict, tok, n_test: int | None = None) -> tuple[list[Sampl
         train_s, test_s = samples[n_test:], samples[:n_test]
     else:
         train_s, test_s = samples[:n_train], samples[n_train:]
-    if cfg.get("replies", "sharegpt") == "model":  # the test split's replies first
-        test_s, train_s = (model_replies(part, cfg["reply_tokens"], cfg["reply_temperature"],
-                                         cfg["seed"], cfg["threads"], _cache(cfg))
-                           for part in (test_s, train_s))
+    if cfg.get("replies", "sharegpt") == "model":
+        def own(part: list[Sample]) -> list[Sample]:
+            return model_replies(part, cfg["reply_tokens"], cfg["reply_temperature"],
+                                 cfg["seed"], cfg["threads"], _cache(cfg))
+
+        test_s = own(test_s)  # the held-out replies first (collect caches them first)
+        train_s = own(train_s)
     return train_s, test_s
 
 
@@ -108,7 +112,7 @@ def remaining_median(lengths: np.ndarray, steps: np.ndarray) -> np.ndarray:
     lengths = np.sort(np.asarray(lengths))
     out = np.zeros(len(steps))
     for t in np.unique(steps):
-        longer = lengths[lengths > t]
+        longer = lengths[np.searchsorted(lengths, t, side="right"):]
         if len(longer):
             out[steps == t] = np.median(longer) - t
     return out
@@ -237,12 +241,13 @@ def evaluate(args: argparse.Namespace) -> dict:
     budget = tc["reply_tokens"] if tc.get("replies") == "model" else np.inf
     room = budget - steps
     refined = np.minimum(refine(initial, probs, owner, bins, stride, forget), room)
-    err = {"bert": np.abs(np.minimum(np.maximum(init_pred[owner] - steps, 0.0), room) - true),
-           "steps_only": np.abs(remaining_median(train_lengths, steps) - true),
-           "refined": np.abs(refined - true),
-           "trail": np.abs(np.minimum(refine(initial, probs, owner, bins, stride, 1.0), room)
-                           - true),
-           "probe_only": np.abs(np.minimum(expected_length(probs, bins), room) - true)}
+    estimates = {
+        "bert": np.minimum(np.maximum(init_pred[owner] - steps, 0.0), room),
+        "steps_only": remaining_median(train_lengths, steps),
+        "refined": refined,
+        "trail": np.minimum(refine(initial, probs, owner, bins, stride, 1.0), room),
+        "probe_only": np.minimum(expected_length(probs, bins), room)}
+    err = {k: np.abs(v - true) for k, v in estimates.items()}
     bucket = args.bucket
     by_step = []
     for lo in range(0, int(tc["max_reply"]), bucket):

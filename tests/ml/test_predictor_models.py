@@ -51,7 +51,7 @@ def test_probe_learns_a_separable_rule_and_round_trips(tmp_path: Path) -> None:
 
 
 def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path) -> None:
-    from services.predictor.trail import STEP_REPEAT, probe_input
+    from services.predictor.trail import STEP_FEATURE_DIM, probe_input
     from services.worker.refiner import Refiner
 
     bins = LengthBins.make(4, 400)
@@ -59,7 +59,7 @@ def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path)
     hidden = rng.normal(size=(800, 16)).astype(np.float32)
     steps = rng.integers(0, 400, size=800)
     x = probe_input(hidden, steps, True)
-    assert x.shape == (800, 16 + 2 * STEP_REPEAT)
+    assert x.shape == (800, 16 + STEP_FEATURE_DIM)
     y = bins.bin_of(400 - steps - 1)  # the remaining length is the step's business alone
     probe = train_classifier(x, y, mlp(x.shape[1], PROBE_HIDDEN, 4), epochs=30, seed=0)
     head = train_classifier(hidden, y, mlp(16, HEAD_HIDDEN, 4), epochs=2, seed=0)

@@ -154,14 +154,8 @@ class BlockCache:
             b = self._free.pop()
             self._ref[b] = 1
             return b
-        return self._pop() if self._evictable else -1
-
-    def _pop(self) -> int:
-        """An empty block if any, else the least recently released cached one, evicted."""
-        if self._free:
-            b = self._free.pop()
-            self._ref[b] = 1
-            return b
+        if not self._evictable:
+            return -1
         out: list[int] = []
         self._evict_into(out, 1)
         return out[0]
