@@ -50,7 +50,8 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
 
     ``policies`` are variant texts (``e2:th_bal=inf``, see ``loadgen.policy_variants``).
     With ``trail`` (the trained predictor's outputs) the requests are the ``sharegpt``
-    conversations it predicted (``loadgen.trail_preds``).
+    conversations it predicted, with their predicted replies' lengths when those were
+    SmolLM2's own (``loadgen.trail_preds``).
     """
     variants = [parse_variant(p) for p in policies]
     modes = [predictions] if isinstance(predictions, str) else list(predictions)
@@ -102,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "initial / refined = the trained predictor's (needs --predictions-file)")
     p.add_argument("--predictions-file", type=Path, default=None,
                    help="the predictor's outputs (prefixmesh predictor eval --preds); the "
-                   "sharegpt requests are then the conversations it predicted")
+                   "sharegpt requests are then the conversations it predicted, with "
+                   "SmolLM2's reply lengths if it was trained on them (--replies model)")
     p.add_argument("--duration", type=float, default=120.0,
                    help="seconds of arrivals per run (requests = rate x duration)")
     p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")

@@ -13,16 +13,21 @@ that very reply, smoothed by the Bayesian update). Nothing here looks at the rea
   ``update_prediction`` as ``t + remaining_t - generated`` tokens left.
 
 The workload is the ``sharegpt`` workload restricted to those conversations (each built
-exactly as that workload builds it), in a seeded order; when a run needs more requests than
+exactly as that workload builds it), in a seeded order. When the predictor was trained on
+SmolLM2's own replies (``predictor train --replies model``), the file says so with the
+replies' token ``budget``, and each request generates as many tokens as SmolLM2's reply to
+it had (at most the budget, which becomes its ``max_tokens``): the lengths the predictions
+are about, not ShareGPT's. When a run needs more requests when a run needs more requests than
 there are conversations they are reused, each reuse under its own tenant so its prompt is
 not served from the prefix cache a previous use left behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -40,6 +45,7 @@ class RequestPredictions:
     initial: float  # head's expected output tokens
     steps: tuple[int, ...]  # decode steps of the probe readings, ascending
     remaining: tuple[float, ...]  # refined remaining tokens at each of ``steps``
+    length: int = 0  # the reply's real length (output tokens), used only with a budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +53,18 @@ class TrailPredictions:
     """Predictions by the workload's ``prefix_id`` (``conv{i}``)."""
 
     requests: dict[str, RequestPredictions]
+    # Token budget of generated replies (``--replies model``): requests then generate the
+    # predicted replies' own lengths under it. None: ShareGPT's replies, the workload's.
+    budget: int | None = field(default=None)
 
     @classmethod
     def load(cls, path: Path) -> TrailPredictions:
         """Read a file written by ``prefixmesh predictor eval --preds``."""
         raw = json.loads(Path(path).read_text())
         return cls({k: RequestPredictions(float(v["initial"]), tuple(v["steps"]),
-                                          tuple(float(x) for x in v["remaining"]))
-                    for k, v in raw["requests"].items()})
+                                          tuple(float(x) for x in v["remaining"]),
+                                          int(v.get("length", 0)))
+                    for k, v in raw["requests"].items()}, raw.get("budget"))
 
     def conversations(self) -> list[int]:
         """Conversation indices, ascending."""
@@ -70,6 +80,9 @@ def trail_requests(preds: TrailPredictions, count: int, seed: int, tenant: str =
     built = [r for r in conversation_requests(convs, tenant) if r is not None]
     if not built:
         raise ValueError("no predicted conversation passes the sharegpt length filter")
+    if preds.budget is not None:  # SmolLM2's own replies: their lengths, under the budget
+        built = [dataclasses.replace(r, max_tokens=preds.budget, output_len=min(
+            preds.requests[r.prefix_id].length, preds.budget)) for r in built]
     random.Random(seed).shuffle(built)
     out = []
     for k in range(count):

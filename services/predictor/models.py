@@ -5,7 +5,8 @@
   the length bins. The encoder is frozen: only the head is trained (CPU-sized training).
 - Refinement: a probe MLP over the serving model's hidden state at one layer,
   ``input -> 512 -> ReLU -> bins`` (TRAIL s.3), predicting the bin of the *remaining*
-  output length at each decode step.
+  output length at each decode step (TRAIL), or of the reply's total length
+  (``target="total"``, trail.py).
 
 Artifacts: one folder holding ``config.json`` (bins, layer, sizes, training config and
 scores) and ``head.safetensors`` / ``probe.safetensors``.
@@ -109,6 +110,9 @@ class PredictorArtifact:
     # Whether the probe also reads the decode step (``probe_input``): an extension of
     # TRAIL, whose probe reads the hidden state alone.
     step_features: bool = False
+    # What the probe's bins are over (``trail.PROBE_TARGETS``): the remaining length at
+    # each step (TRAIL) or the reply's total length.
+    target: str = "remaining"
 
     def save(self, folder: Path) -> None:
         """Write config.json and the two weight files."""
@@ -118,7 +122,7 @@ class PredictorArtifact:
         meta = {"bins": self.bins.to_dict(), "embed_dim": self.embed_dim,
                 "hidden_dim": self.hidden_dim, "layer": self.layer,
                 "tokens_per_update": self.tokens_per_update,
-                "step_features": self.step_features,
+                "step_features": self.step_features, "target": self.target,
                 "head_hidden": HEAD_HIDDEN, "probe_hidden": PROBE_HIDDEN,
                 "train_config": self.train_config, "scores": self.scores}
         (folder / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -140,7 +144,8 @@ class PredictorArtifact:
         probe.load_state_dict(load_file(str(folder / PROBE_FILE)))
         return cls(bins, meta["embed_dim"], meta["hidden_dim"], meta["layer"],
                    meta["tokens_per_update"], meta.get("train_config", {}),
-                   meta.get("scores", {}), head.eval(), probe.eval(), step_features=steps)
+                   meta.get("scores", {}), head.eval(), probe.eval(), step_features=steps,
+                   target=meta.get("target", "remaining"))
 
     def describe(self) -> dict[str, Any]:
         """Config without weights (for logs and eval output)."""
@@ -155,7 +160,12 @@ def train_classifier(x: np.ndarray, y: np.ndarray, model: nn.Module, epochs: int
     """Cross-entropy over bins with Adam, minibatches in a seeded order; returns eval mode.
     About 10 minibatches per epoch (16 to 256 rows), so small sets still get enough steps."""
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # the layers' initial weights
+    # The layers' initial weights come from the seed, not from whatever the global
+    # generator had when ``model`` was built.
+    torch.manual_seed(seed)
+    for layer in model.modules():
+        if hasattr(layer, "reset_parameters"):
+            layer.reset_parameters()
     batch = min(256, max(16, len(x) // 10))
     xt, yt = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(y.astype(np.int64))
     # Standardise inputs inside the model (hidden states have large per-dim offsets).

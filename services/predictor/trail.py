@@ -21,6 +21,19 @@ so a reading k updates old weighs ``f^k`` in log space (an effective memory of a
 ``1 / (1 - f)`` readings). ``f = 1`` is TRAIL's update (the default); ``f = 0`` keeps only
 the current reading.
 
+What the probe predicts (``PROBE_TARGETS``) is TRAIL's remaining length by default. The
+other target is the reply's *total* length ``L``: a label that does not move as the reply
+grows, so a reply that will run to its token budget has one label at every step instead of
+``budget - t``. Its bins are the head's, the head's distribution is the prior as it is,
+``T`` is the identity (``L`` does not change), and the prediction at step ``t`` is the
+remaining length of a reply that has not ended yet: ``E[L | L > t] - t``
+(``remaining_given_running``).
+
+With a token budget (replies are cut at ``max_tokens``), ``LengthBins.make(budget_bin=True)``
+adds one bin ``[max_tokens, max_tokens + 1)`` after the equal ones: "runs to the budget"
+becomes a class of its own, whose value is the budget, rather than a share of the widest
+bin below it.
+
 ``T`` follows from the bin widths: every generated token lowers the remaining length by one,
 so between two updates ``k`` tokens apart a request in bin ``i`` (width ``w_i``) moves down
 one bin with probability ``min(1, k / w_i)`` and stays otherwise; bin 0 absorbs.
@@ -38,6 +51,8 @@ import numpy as np
 DEFAULT_NUM_BINS = 10
 DEFAULT_MAX_TOKENS = 512.0
 BIN_SPACINGS = ("linear", "log")
+# What the probe is trained to predict at each step (module doc).
+PROBE_TARGETS = ("remaining", "total")
 # Floor on a posterior's mass before normalising; below it the update falls back to the
 # current distribution (the prior and the new evidence disagree completely).
 MIN_MASS = 1e-12
@@ -57,9 +72,10 @@ class LengthBins:
 
     @classmethod
     def make(cls, num_bins: int = DEFAULT_NUM_BINS, max_tokens: float = DEFAULT_MAX_TOKENS,
-             spacing: str = "linear") -> LengthBins:
+             spacing: str = "linear", budget_bin: bool = False) -> LengthBins:
         """``num_bins`` bins over [0, max_tokens): equal widths, or log-spaced edges from 1
-        (short outputs get narrow bins; the first bin is [0, 1))."""
+        (short outputs get narrow bins; the first bin is [0, 1)); with ``budget_bin`` one
+        more, ``[max_tokens, max_tokens + 1)``, for replies cut at ``max_tokens`` tokens."""
         if num_bins < 1 or max_tokens <= 1:
             raise ValueError("need num_bins >= 1 and max_tokens > 1")
         if spacing == "linear":
@@ -68,6 +84,8 @@ class LengthBins:
             edges = np.concatenate([[0.0], np.geomspace(1.0, max_tokens, num_bins)])
         else:
             raise ValueError(f"spacing must be one of {BIN_SPACINGS}, not {spacing!r}")
+        if budget_bin:
+            edges = np.append(edges, max_tokens + 1.0)
         return cls(tuple(float(x) for x in edges))
 
     @property
@@ -142,6 +160,34 @@ def expected_length(dist: np.ndarray, bins: LengthBins) -> np.ndarray | float:
     return float(out) if np.ndim(out) == 0 else out
 
 
+def remaining_given_running(dist: np.ndarray, bins: LengthBins, t: np.ndarray | float
+                            ) -> np.ndarray | float:
+    """Remaining tokens of a reply that has produced ``t`` tokens and not ended, from a
+    distribution over its *total* length: ``E[L | L > t] - t``, each bin's mass spread
+    evenly over the bin (the bin holding ``t`` keeps the share above ``t``). 0 when no
+    mass lies above ``t``. One ``[bins]`` row with a scalar ``t``, or ``[n, bins]`` rows
+    with ``n`` steps."""
+    p = np.atleast_2d(np.asarray(dist, dtype=np.float64))
+    t_col = np.asarray(t, dtype=np.float64).reshape(-1, 1)
+    e = np.asarray(bins.edges, dtype=np.float64)
+    lo, hi = e[:-1], e[1:]
+    kept = p * np.clip((hi - t_col) / (hi - lo), 0.0, 1.0)
+    mass = kept.sum(axis=-1)
+    mean_above = (kept @ hi + (kept * np.maximum(lo, t_col)).sum(axis=-1)) / 2.0
+    out = np.where(mass > MIN_MASS, mean_above / np.maximum(mass, MIN_MASS) - t_col[:, 0], 0.0)
+    return float(out[0]) if np.ndim(dist) == 1 else out
+
+
+def probe_estimate(dist: np.ndarray, bins: LengthBins, steps: np.ndarray | float,
+                   target: str) -> np.ndarray | float:
+    """Remaining tokens at each of ``steps`` from distributions over the ``target``'s bins."""
+    if target == "remaining":
+        return expected_length(dist, bins)
+    if target == "total":
+        return remaining_given_running(dist, bins, steps)
+    raise ValueError(f"target must be one of {PROBE_TARGETS}, not {target!r}")
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax, numerically stable."""
     z = np.asarray(logits, dtype=np.float64)
@@ -171,18 +217,24 @@ def probe_input(hidden: np.ndarray, steps: np.ndarray | int, step_features: bool
 
 class Smoother:
     """Per-request running posterior: seed it with the initial distribution, feed it each
-    step's probe distribution, read the expected remaining tokens."""
+    step's probe distribution, read the expected remaining tokens. With ``target="total"``
+    the posterior is over the reply's total length (module doc)."""
 
     def __init__(self, bins: LengthBins, initial: np.ndarray, tokens_per_update: float = 1.0,
-                 forget: float = 1.0) -> None:
+                 forget: float = 1.0, target: str = "remaining") -> None:
+        if target not in PROBE_TARGETS:
+            raise ValueError(f"target must be one of {PROBE_TARGETS}, not {target!r}")
         self.bins = bins
         self.forget = forget  # 1.0: TRAIL's update; below 1: tempered (module doc)
-        self.transition = transition_matrix(bins, tokens_per_update)
+        self.target = target
+        self.transition = (transition_matrix(bins, tokens_per_update) if target == "remaining"
+                           else np.eye(bins.num_bins))  # a total length does not move
         self.posterior = np.asarray(initial, dtype=np.float64)
         if self.posterior.shape != (bins.num_bins,):
             raise ValueError("initial distribution does not match the bins")
 
-    def update(self, current: np.ndarray) -> float:
-        """Fold in one step's distribution; return the expected remaining tokens."""
+    def update(self, current: np.ndarray, t: float = 0.0) -> float:
+        """Fold in the distribution read at step ``t`` (output tokens so far); return the
+        expected remaining tokens."""
         self.posterior = bayes_update(self.posterior, current, self.transition, self.forget)
-        return float(expected_length(self.posterior, self.bins))
+        return float(probe_estimate(self.posterior, self.bins, t, self.target))

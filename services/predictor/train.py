@@ -16,7 +16,9 @@ of the training requests); one probe per candidate layer is trained on the other
 training requests' readings and scored on the 20% (with ``--epochs auto``, the default, at
 each of a few epoch counts); the best layer wins. The Bayesian update's forgetting factor
 is TRAIL's 1.0 unless ``--forget auto`` chooses it on the same validation requests. The
-head and the chosen probe are then retrained on all of train.
+head and the chosen probe are then retrained on all of train. ``--probe-target total``
+trains the probe on the reply's total length instead of the remaining one, and
+``--budget-bin`` adds a bin for replies cut at the token budget (trail.py's module doc).
 
 eval: on the held-out split, MAE (tokens) of the head's initial prediction, and per decode
 step of the refined prediction (probe + Bayesian update seeded with the head's
@@ -47,9 +49,11 @@ from services.predictor.trail import (
     BIN_SPACINGS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_BINS,
+    PROBE_TARGETS,
     LengthBins,
     Smoother,
     expected_length,
+    probe_estimate,
     probe_input,
 )
 
@@ -94,15 +98,16 @@ def _cache(cfg: dict) -> Path | None:
     return Path(cfg["cache"]) if cfg.get("cache") else None
 
 
-def refine(initial: np.ndarray, probs: np.ndarray, owner: np.ndarray, bins: LengthBins,
-           stride: int, forget: float) -> np.ndarray:
+def refine(initial: np.ndarray, probs: np.ndarray, owner: np.ndarray, steps: np.ndarray,
+           bins: LengthBins, stride: int, forget: float, target: str = "remaining"
+           ) -> np.ndarray:
     """Refined remaining-length estimate at every reading (rows of ``probs``, grouped by
     ``owner`` in step order), each request's smoother seeded with ``initial[owner]``."""
     out = np.empty(len(probs))
     for i in np.unique(owner):
-        sm = Smoother(bins, initial[i], stride, forget)
+        sm = Smoother(bins, initial[i], stride, forget, target)
         for j in np.flatnonzero(owner == i):
-            out[j] = sm.update(probs[j])
+            out[j] = sm.update(probs[j], steps[j])
     return out
 
 
@@ -154,7 +159,10 @@ def train(args: argparse.Namespace) -> dict:
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("func", "out", "verb", "json")}
     tok = TextTokenizer.load()
-    bins = LengthBins.make(args.bins, args.max_tokens, args.spacing)
+    if args.budget_bin and (args.replies != "model" or args.max_tokens != args.reply_tokens):
+        raise SystemExit("--budget-bin is for replies cut at a budget: it needs --replies model "
+                         "and --max-tokens equal to --reply-tokens")
+    bins = LengthBins.make(args.bins, args.max_tokens, args.spacing, args.budget_bin)
     train_s, _ = split_samples(cfg, tok)
     lengths = np.array([s.length for s in train_s])
     n_fit = int((1 - VALIDATION_SHARE) * len(train_s))  # validation: the last 20%
@@ -176,6 +184,7 @@ def train(args: argparse.Namespace) -> dict:
     hidden, steps, owner = collect_hidden(train_s, layers, args.stride, args.max_reply,
                                           args.threads, _cache(cfg))
     remaining = lengths[owner] - steps
+    label = remaining if args.probe_target == "remaining" else lengths[owner]
     fit = owner < n_fit
     with_steps = args.step_features
     epoch_grid = PROBE_EPOCHS if args.epochs == "auto" else (int(args.epochs),)
@@ -183,9 +192,10 @@ def train(args: argparse.Namespace) -> dict:
     for k in layers:
         x = probe_input(hidden[k], steps, with_steps)
         for e in epoch_grid:
-            probe = train_classifier(x[fit], bins.bin_of(remaining[fit]),
+            probe = train_classifier(x[fit], bins.bin_of(label[fit]),
                                      mlp(x.shape[1], PROBE_HIDDEN, bins.num_bins), e, args.seed)
-            mae = _mae(expected_length(predict_proba(probe, x[~fit]), bins), remaining[~fit])
+            mae = _mae(probe_estimate(predict_proba(probe, x[~fit]), bins, steps[~fit],
+                                      args.probe_target), remaining[~fit])
             log.info("layer %d, %d epochs: validation MAE %.1f tokens", k, e, mae)
             if k not in val_mae or mae < val_mae[k]:
                 val_mae[k], val_probe[k], val_epochs[k] = mae, probe, e
@@ -194,13 +204,14 @@ def train(args: argparse.Namespace) -> dict:
     init_val = predict_proba(head_fit, emb)  # rows of validation requests are used below
     x_best = probe_input(hidden[best], steps, with_steps)
     probs_val = predict_proba(val_probe[best], x_best[~fit])
-    forget_val = {f: _mae(refine(init_val, probs_val, owner[~fit], bins, args.stride, f),
-                          remaining[~fit]) for f in FORGET_GRID}
+    forget_val = {f: _mae(refine(init_val, probs_val, owner[~fit], steps[~fit], bins,
+                                 args.stride, f, args.probe_target), remaining[~fit])
+                  for f in FORGET_GRID}
     forget = (min(forget_val, key=forget_val.get) if args.forget == "auto"
               else float(args.forget))
     log.info("refined validation MAE by forgetting factor %s: %.2f used", forget_val, forget)
     head = fit_head(slice(None), head_epochs)
-    probe = train_classifier(x_best, bins.bin_of(remaining),
+    probe = train_classifier(x_best, bins.bin_of(label),
                              mlp(x_best.shape[1], PROBE_HIDDEN, bins.num_bins),
                              val_epochs[best], args.seed)
     scores = {"layer_val_mae": {str(k): round(v, 2) for k, v in val_mae.items()},
@@ -211,7 +222,8 @@ def train(args: argparse.Namespace) -> dict:
               "forget_val_mae": {str(k): round(v, 2) for k, v in forget_val.items()},
               "forget": forget}
     art = PredictorArtifact(bins, enc.dim, hidden[best].shape[1], best, float(args.stride),
-                            cfg, scores, head, probe, step_features=with_steps)
+                            cfg, scores, head, probe, step_features=with_steps,
+                            target=args.probe_target)
     art.save(Path(args.out))
     return art.describe()
 
@@ -240,13 +252,18 @@ def evaluate(args: argparse.Namespace) -> dict:
     # refiner clips at max_tokens - t. ShareGPT's replies have no budget.
     budget = tc["reply_tokens"] if tc.get("replies") == "model" else np.inf
     room = budget - steps
-    refined = np.minimum(refine(initial, probs, owner, bins, stride, forget), room)
+    target = art.target
+
+    def refined_with(f: float) -> np.ndarray:
+        return np.minimum(refine(initial, probs, owner, steps, bins, stride, f, target), room)
+
+    refined = refined_with(forget)
     estimates = {
         "bert": np.minimum(np.maximum(init_pred[owner] - steps, 0.0), room),
         "steps_only": remaining_median(train_lengths, steps),
         "refined": refined,
-        "trail": np.minimum(refine(initial, probs, owner, bins, stride, 1.0), room),
-        "probe_only": np.minimum(expected_length(probs, bins), room)}
+        "trail": refined_with(1.0),
+        "probe_only": np.minimum(probe_estimate(probs, bins, steps, target), room)}
     err = {k: np.abs(v - true) for k, v in estimates.items()}
     bucket = args.bucket
     by_step = []
@@ -269,6 +286,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         "mae_refined_request_mean": round(float(np.mean(
             [err["refined"][owner == i].mean() for i in np.unique(owner)])), 2),
         "forget": forget,
+        "probe_target": target,
         "mae_by_step": by_step,
         "test_requests": len(samples),
         "steps_scored": int(len(steps)),
@@ -288,6 +306,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             for i, s in enumerate(samples)}
         args.preds.parent.mkdir(parents=True, exist_ok=True)
         args.preds.write_text(json.dumps({"forget": forget, "stride": stride,
+                                          "budget": None if budget == np.inf else int(budget),
                                           "requests": preds}) + "\n")
     return result
 
@@ -321,13 +340,16 @@ def plot(args: argparse.Namespace) -> dict:
     series = (("mae_bert", "MiniLM + head (initial, carried along)", "o-"),
               ("mae_trail", "probe + TRAIL's update", "s-"),
               ("mae_refined", f"probe + update, forgetting {ev['forget']:g}", "^-"),
-              ("mae_probe_only", "probe alone", "x--"))
+              ("mae_probe_only", "probe alone", "x--"),
+              ("mae_steps_only", "step alone (no text)", "d:"))
     for key, label, style in series:
         if all(key in r for r in rows):
             ax.plot(x, [r[key] for r in rows], style, label=label, markersize=4)
     ax.set_xlabel("decode step (bucket centre, tokens)")
     ax.set_ylabel("MAE of remaining length (tokens)")
-    ax.set_title(f"{ev['test_requests']} held-out ShareGPT requests: MAE by decode step")
+    over = "total length" if ev.get("probe_target") == "total" else "remaining length"
+    ax.set_title(f"{ev['test_requests']} held-out ShareGPT prompts, probe over the {over}",
+                 fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -392,6 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--step-features", action="store_true",
                    help="the probe also reads the decode step (log(1+t), t/512); TRAIL's "
                         "probe reads the hidden state alone")
+    t.add_argument("--probe-target", choices=PROBE_TARGETS, default="remaining",
+                   help="what the probe's bins are over: the remaining length at each step "
+                        "(TRAIL) or the reply's total length, read as remaining = E[L | L > t] - t")
+    t.add_argument("--budget-bin", action="store_true",
+                   help="one more bin, [--max-tokens, --max-tokens + 1): replies that run to "
+                        "the token budget (--replies model, --max-tokens = --reply-tokens)")
     t.add_argument("--json", type=Path, default=None, help="also write the config here")
     e = sub.add_parser("eval", help="score an artifact on its held-out split")
     e.add_argument("--model", required=True, help="artifact folder")

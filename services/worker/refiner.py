@@ -4,7 +4,8 @@ The engine hands over the hidden state of the probe's layer at each step that sa
 token (``HfEngine.on_hidden``). Every ``tokens_per_update`` generated tokens the refiner
 runs the probe on it (numpy: two matrix-vector products, no torch call on the event
 loop), folds the distribution into the request's ``Smoother`` (Bayesian update over the
-length bins; with the artifact's forgetting factor, ``scores["forget"]``, 1.0 when absent),
+length bins, those of the remaining length or of the total length as the artifact's
+``target`` says; with its forgetting factor, ``scores["forget"]``, 1.0 when absent),
 and passes the expected remaining tokens to the local policy through
 ``HfEngine.update_prediction``; ``sprpt_limited`` re-ranks on it.
 
@@ -91,13 +92,14 @@ class Refiner:
 
     def __init__(self, probe: ProbeMLP, bins: LengthBins, layer: int, tokens_per_update: int,
                  update: Update | None = None, forget: float = 1.0,
-                 step_features: bool = False) -> None:
+                 step_features: bool = False, target: str = "remaining") -> None:
         if tokens_per_update < 1:
             raise ValueError("tokens_per_update must be >= 1")
         self.probe, self.bins, self.layer = probe, bins, layer
         self.step_features = step_features  # the probe also reads the decode step
         self.every = tokens_per_update
         self.forget = forget  # the Bayesian update's forgetting factor (1.0: TRAIL's)
+        self.target = target  # the probe's bins: remaining length (TRAIL) or total length
         self.update = update
         self._smoothers: dict[str, tuple[EngineRequest, Smoother]] = {}
         self.readings = 0  # probe runs since start
@@ -112,7 +114,7 @@ class Refiner:
         art = PredictorArtifact.load(Path(folder))
         probe = ProbeMLP.from_state_dict(art.probe.state_dict())
         return cls(probe, art.bins, art.layer, max(1, round(art.tokens_per_update)), update,
-                   float(art.scores.get("forget", 1.0)), art.step_features)
+                   float(art.scores.get("forget", 1.0)), art.step_features, art.target)
 
     def on_hidden(self, req: EngineRequest, generated: int, hidden: np.ndarray) -> None:
         """``HfEngine.on_hidden``: ``hidden`` was read just before sampling output token
@@ -128,10 +130,11 @@ class Refiner:
                     self._sweep()
                 seed = seed_distribution(self.bins, req.predicted_output,
                                          req.predicted_distribution)
-                entry = (req, Smoother(self.bins, seed, self.every, self.forget))
+                entry = (req, Smoother(self.bins, seed, self.every, self.forget,
+                                            self.target))
                 self._smoothers[req.request_id] = entry
             x = probe_input(hidden, t, self.step_features)
-            remaining_at_t = entry[1].update(self.probe.proba(x))
+            remaining_at_t = entry[1].update(self.probe.proba(x), t)
             self.readings += 1
             if self.update is not None:  # one of them (the sampled token) is now out
                 # No request outruns its budget: at most max_tokens - generated are left.
@@ -154,6 +157,7 @@ def attach_refiner(engine: Any, folder: str | Path) -> Refiner:
     refiner = Refiner.load(folder, engine.update_prediction)
     engine.cfg = dataclasses.replace(engine.cfg, hidden_layer=refiner.layer)
     engine.on_hidden = refiner.on_hidden
-    log.info("TRAIL refinement on: probe of layer %d, every %d tokens, %d bins, forgetting "
-             "factor %g", refiner.layer, refiner.every, refiner.bins.num_bins, refiner.forget)
+    log.info("TRAIL refinement on: probe of layer %d, every %d tokens, %d bins over the %s "
+             "length, forgetting factor %g", refiner.layer, refiner.every,
+             refiner.bins.num_bins, refiner.target, refiner.forget)
     return refiner

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from services.predictor.models import (  # noqa: E402
@@ -50,6 +50,18 @@ def test_probe_learns_a_separable_rule_and_round_trips(tmp_path: Path) -> None:
     assert expected_length(p[:1], bins).shape == (1,)
 
 
+def test_training_depends_on_the_seed_alone() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    torch.manual_seed(123)  # the global generator's state differs between the two builds
+    a = train_classifier(x, y, mlp(8, 16, 2), epochs=3, seed=7)
+    torch.rand(5)
+    b = train_classifier(x, y, mlp(8, 16, 2), epochs=3, seed=7)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
 def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path) -> None:
     from services.predictor.trail import STEP_FEATURE_DIM, probe_input
     from services.worker.refiner import Refiner
@@ -64,9 +76,9 @@ def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path)
     probe = train_classifier(x, y, mlp(x.shape[1], PROBE_HIDDEN, 4), epochs=30, seed=0)
     head = train_classifier(hidden, y, mlp(16, HEAD_HIDDEN, 4), epochs=2, seed=0)
     PredictorArtifact(bins, 16, 16, 7, 8.0, {}, {}, head, probe,
-                      step_features=True).save(tmp_path / "s")
+                      step_features=True, target="total").save(tmp_path / "s")
     back = PredictorArtifact.load(tmp_path / "s")
-    assert back.step_features and back.hidden_dim == 16
+    assert back.step_features and back.hidden_dim == 16 and back.target == "total"
     np.testing.assert_allclose(predict_proba(back.probe, x), predict_proba(probe, x),
                                rtol=1e-5, atol=1e-6)
     # The worker's numpy probe appends the same features: one hidden state, two steps.

@@ -61,6 +61,32 @@ def test_forgetting_factor_comes_from_the_artifact(artifact: Path, tmp_path: Pat
     assert refiner._smoothers["f"][1].forget == 0.5
 
 
+def test_total_length_target_comes_from_the_artifact(artifact: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from services.predictor.trail import remaining_given_running
+
+    assert Refiner.load(artifact).target == "remaining"  # TRAIL's when the artifact says none
+    total = tmp_path / "total"
+    shutil.copytree(artifact, total)
+    meta = json.loads((total / "config.json").read_text())
+    meta["target"] = "total"
+    (total / "config.json").write_text(json.dumps(meta))
+    got: dict[str, float] = {}
+    refiner = Refiner.load(total, lambda rid, left: got.__setitem__(rid, left) or True)
+    assert refiner.target == "total"
+    req = EngineRequest(request_id="t", prompt_token_ids=[1, 2, 3], max_tokens=10_000,
+                        predicted_output=300.0)
+    hidden = np.random.default_rng(3).normal(size=HIDDEN) * 3
+    k = 1 + 5 * TOKENS_PER_UPDATE  # a reading with 10 tokens out before this one
+    refiner.on_hidden(req, k, hidden)
+    smoother = refiner._smoothers["t"][1]
+    assert smoother.target == "total"
+    left = remaining_given_running(smoother.posterior, refiner.bins, k - 1) - 1.0
+    assert got["t"] == pytest.approx(left)
+
+
 def test_seed_distribution() -> None:
     bins = LengthBins.make(4, 400)
     np.testing.assert_allclose(seed_distribution(bins, 0.0), [0.25] * 4)

@@ -10,6 +10,8 @@ from services.predictor.trail import (
     Smoother,
     bayes_update,
     expected_length,
+    probe_estimate,
+    remaining_given_running,
     softmax,
     transition_matrix,
 )
@@ -88,6 +90,47 @@ def test_disjoint_evidence_falls_back_to_current() -> None:
     np.testing.assert_allclose(post, [0.0, 1.0])
 
 
+def test_budget_bin() -> None:
+    b = LengthBins.make(10, 512, budget_bin=True)
+    assert b.num_bins == 11 and b.edges[-3:] == (460.8, 512.0, 513.0)
+    # A reply cut at the budget has its own bin; one token short of it does not.
+    assert list(b.bin_of(np.array([511, 512]))) == [9, 10]
+    assert b.centres[-1] == 512.5
+
+
+def test_remaining_given_running_hand_computed() -> None:
+    # Total length uniform over [0, 20): at t = 0 the mean is 10; at t = 5 bin 0 keeps its
+    # share above 5 (0.25, mean 7.5) beside bin 1 (0.5, mean 15): (1.875 + 7.5) / 0.75 =
+    # 12.5, so 7.5 left; at t = 15 only [15, 20) is left: 2.5.
+    flat = np.array([0.5, 0.5])
+    assert remaining_given_running(flat, TWO, 0) == pytest.approx(10.0)
+    assert remaining_given_running(flat, TWO, 5) == pytest.approx(7.5)
+    assert remaining_given_running(flat, TWO, 15) == pytest.approx(2.5)
+    # Rows with their own steps; no mass above t -> 0 (the reply should have ended).
+    np.testing.assert_allclose(
+        remaining_given_running(np.array([[0.5, 0.5], [1.0, 0.0]]), TWO, np.array([5, 12])),
+        [7.5, 0.0])
+    np.testing.assert_allclose(probe_estimate(np.array([[0.5, 0.5]]), TWO, np.array([5]),
+                                              "total"), [7.5])
+    assert probe_estimate(flat, TWO, 5, "remaining") == pytest.approx(10.0)  # t unused
+    with pytest.raises(ValueError):
+        probe_estimate(flat, TWO, 5, "tokens")
+
+
+def test_smoother_over_the_total_length() -> None:
+    # The total length does not move: no transition, so prior [0.5, 0.5] times evidence
+    # [0.2, 0.8] is [0.2, 0.8]; at t = 12 only bin 1's part above 12 counts: 16 - 12 = 4.
+    s = Smoother(TWO, np.array([0.5, 0.5]), tokens_per_update=8, target="total")
+    assert s.update(np.array([0.2, 0.8]), 12) == pytest.approx(4.0)
+    np.testing.assert_allclose(s.posterior, [0.2, 0.8])
+    # TRAIL's remaining-length smoother moves mass down a bin instead (8/10 of bin 1).
+    r = Smoother(TWO, np.array([0.5, 0.5]), tokens_per_update=8)
+    r.update(np.array([0.2, 0.8]))
+    np.testing.assert_allclose(r.posterior, np.array([0.9 * 0.2, 0.1 * 0.8]) / 0.26)
+    with pytest.raises(ValueError):
+        Smoother(TWO, np.array([0.5, 0.5]), target="tokens")
+
+
 def test_smoother_moves_down_with_confident_evidence() -> None:
     s = Smoother(TWO, np.array([0.0, 1.0]))
     # Evidence for bin 0 but the prior says bin 1 with 0.9: posterior = [0.1*.9, .9*.1]/...
@@ -144,10 +187,17 @@ def test_refine_runs_one_smoother_per_request_in_step_order() -> None:
     init = np.array([[0.5, 0.5], [0.0, 1.0]])
     probs = np.array([[0.2, 0.8], [0.9, 0.1], [0.9, 0.1]])
     owner = np.array([0, 1, 0])  # rows 0 and 2 are request 0's first and second readings
-    got = refine(init, probs, owner, TWO, stride=1, forget=0.5)
+    steps = np.array([0, 0, 1])
+    got = refine(init, probs, owner, steps, TWO, stride=1, forget=0.5)
     a = Smoother(TWO, init[0], 1, forget=0.5)
     b = Smoother(TWO, init[1], 1, forget=0.5)
     np.testing.assert_allclose(got, [a.update(probs[0]), b.update(probs[1]), a.update(probs[2])])
+    # Over the total length each reading is read at its own step.
+    got = refine(init, probs, owner, steps, TWO, stride=1, forget=0.5, target="total")
+    a = Smoother(TWO, init[0], 1, forget=0.5, target="total")
+    b = Smoother(TWO, init[1], 1, forget=0.5, target="total")
+    np.testing.assert_allclose(got, [a.update(probs[0], 0), b.update(probs[1], 0),
+                                     a.update(probs[2], 1)])
 
 
 def test_train_epochs_argument_is_auto_or_a_positive_count() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def test_load_reads_the_eval_file(tmp_path: Path) -> None:
                   "remaining": [30.0, 20.0, 6.0]},
         "conv3": {"length": 5, "initial": 9.5, "steps": [0], "remaining": [4.0]}}}))
     preds = TrailPredictions.load(path)
-    assert preds.requests["conv7"] == P
+    assert preds.requests["conv7"] == dataclasses.replace(P, length=20)
+    assert preds.budget is None  # ShareGPT's replies: no budget
     assert preds.conversations() == [3, 7]
 
 
@@ -87,6 +89,26 @@ def test_trail_requests_reuse_conversations_under_new_tenants(monkeypatch) -> No
     assert {r.prefix_id for r in out} == {"conv2", "conv9"}  # conv5 fails the filter
     assert [r.tenant for r in out] == ["", "", "~reuse1", "~reuse1", "~reuse2"]
     assert out == trail_requests(preds, 5, seed=0)  # seeded
+
+
+def test_model_replies_set_the_requests_lengths(monkeypatch, tmp_path: Path) -> None:
+    def fake(indices: list[int], tenant: str = "") -> list[WorkloadRequest | None]:
+        return [WorkloadRequest(prompt=[i] * 20, max_tokens=900, prefix_id=f"conv{i}",
+                                output_len=700, tenant=tenant) for i in indices]
+
+    monkeypatch.setattr(sharegpt, "conversation_requests", fake)
+    path = tmp_path / "preds.json"
+    path.write_text(json.dumps({"forget": 1.0, "stride": 8, "budget": 512, "requests": {
+        "conv1": {"length": 37, "initial": 40.0, "steps": [0], "remaining": [30.0]},
+        "conv2": {"length": 512, "initial": 300.0, "steps": [0], "remaining": [400.0]}}}))
+    preds = TrailPredictions.load(path)
+    assert preds.budget == 512
+    out = {r.prefix_id: r for r in trail_requests(preds, 2, seed=0)}
+    assert (out["conv1"].output_len, out["conv2"].output_len) == (37, 512)
+    assert out["conv1"].max_tokens == out["conv2"].max_tokens == 512
+    # Without a budget (ShareGPT's replies) the workload's own lengths stay.
+    plain = trail_requests(TrailPredictions(preds.requests), 2, seed=0)
+    assert {r.output_len for r in plain} == {700}
 
 
 def test_cluster_sim_attaches_initial_and_feeds_refinements(monkeypatch) -> None:
