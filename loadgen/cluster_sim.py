@@ -22,7 +22,7 @@ from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from services.worker.engine.types import EngineRequest, StepPlan
-from services.worker.local import make_local_policy
+from services.worker.local import LocalPolicyConfig, make_local_policy
 from services.worker.reports import done_record, load_report
 from shared.blocks import block_hashes
 from shared.costmodel import DEFAULT_PROFILE, CostModel
@@ -39,6 +39,8 @@ class ClusterConfig:
     gpus: int = 4
     policy: str = "e2"
     local_policy: str = "prefix_fair"
+    # The local policy's knobs (its config type, e.g. SprptConfig); None: its defaults.
+    local_config: LocalPolicyConfig | None = None
     profile: str = DEFAULT_PROFILE
     # Period of each worker's load report to the global policy (seconds, as live).
     load_interval_s: float = 0.25
@@ -87,8 +89,10 @@ class ClusterSim:
         self.cost = CostModel.load(cfg.profile)
         self.policy = make_policy(cfg.policy, cfg.policy_config, self.cost)
         self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
-        self.engines = {w: SimEngine(self.cost, make_local_policy(cfg.local_policy),
-                                     cfg.engine_config) for w in self.workers}
+        self.engines = {
+            w: SimEngine(self.cost, make_local_policy(cfg.local_policy, cfg.local_config),
+                         cfg.engine_config)
+            for w in self.workers}
         self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
         self.refiner = Refiner() if cfg.predictions == "refined" else None
         self._heap: list[tuple[float, int, int, object]] = []

@@ -1,9 +1,11 @@
-"""Global-policy names with knobs, for sweeps and ablations: ``e2:th_bal=inf,imbalance_ratio=1.1``.
+"""Policy names with knobs, for sweeps and ablations: ``e2:th_bal=inf,imbalance_ratio=1.1``.
 
 A variant is a policy name (one of ``POLICY_NAMES``), optionally followed by ``:`` and
 ``knob=value`` pairs naming fields of ``PolicyConfig``; each value is parsed as the type of
 that field's default (``inf`` is a float; booleans take true/false/1/0). The whole text is
 the variant's label in result rows, so an ablation's steps stay apart in one JSON file.
+Local policies take their own config's knobs the same way
+(``sprpt_limited:preempt_fraction=0``, ``parse_local_variant``).
 
 In a comma-separated ``--policies`` list a part holding ``=`` but no ``:`` continues the
 previous variant's knobs, so ``round_robin,e2:th_bal=inf,imbalance_ratio=1.1,e2`` is three
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from services.scheduler.policies import POLICY_NAMES
 from services.scheduler.policies.base import PolicyConfig
+from services.worker.local import LOCAL_POLICY_CONFIGS, LocalPolicyConfig
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -33,6 +36,15 @@ class PolicyVariant:
     config: PolicyConfig
 
 
+@dataclass(frozen=True, slots=True)
+class LocalVariant:
+    """A local policy and the config it runs with (None: the policy's defaults)."""
+
+    label: str  # as given
+    policy: str  # the name make_local_policy takes
+    config: LocalPolicyConfig | None
+
+
 def parse_variant(text: str) -> PolicyVariant:
     """``"e2:th_bal=inf,replicate_max_workers=1"`` -> the policy and its PolicyConfig."""
     label = text.strip()
@@ -40,8 +52,25 @@ def parse_variant(text: str) -> PolicyVariant:
     name = name.strip()
     if name not in POLICY_NAMES:
         raise ValueError(f"unknown global policy {name!r} (known: {', '.join(POLICY_NAMES)})")
-    base = PolicyConfig()
-    fields = {f.name for f in dataclasses.fields(PolicyConfig)}
+    return PolicyVariant(label=label, policy=name,
+                         config=_with_knobs(PolicyConfig(), knobs, label))
+
+
+def parse_local_variant(text: str) -> LocalVariant:
+    """``"sprpt_limited:preempt_fraction=0"`` -> the local policy and its config."""
+    label = text.strip()
+    name, _, knobs = label.partition(":")
+    name = name.strip()
+    if name not in LOCAL_POLICY_CONFIGS:
+        raise ValueError(f"unknown local policy {name!r} "
+                         f"(known: {', '.join(LOCAL_POLICY_CONFIGS)})")
+    config = _with_knobs(LOCAL_POLICY_CONFIGS[name](), knobs, label) if knobs.strip() else None
+    return LocalVariant(label=label, policy=name, config=config)
+
+
+def _with_knobs(base, knobs: str, label: str):
+    """``base`` (a config dataclass) with the ``knob=value`` pairs of ``knobs`` applied."""
+    fields = {f.name for f in dataclasses.fields(base)}
     changes: dict[str, object] = {}
     for part in knobs.split(","):
         part = part.strip()
@@ -52,10 +81,9 @@ def parse_variant(text: str) -> PolicyVariant:
         if not eq or not raw:
             raise ValueError(f"policy knob {part!r} in {label!r}: expected knob=value")
         if key not in fields:
-            raise ValueError(f"PolicyConfig has no knob {key!r} (in {label!r})")
+            raise ValueError(f"{type(base).__name__} has no knob {key!r} (in {label!r})")
         changes[key] = _parse_value(key, raw, getattr(base, key))
-    return PolicyVariant(label=label, policy=name,
-                         config=dataclasses.replace(base, **changes) if changes else base)
+    return dataclasses.replace(base, **changes) if changes else base
 
 
 def split_variants(text: str) -> list[str]:

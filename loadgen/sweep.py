@@ -10,7 +10,7 @@ from pathlib import Path
 
 from loadgen.cluster_sim import ClusterConfig, ClusterSim
 from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
-from loadgen.policy_variants import parse_variant, split_variants
+from loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
 from loadgen.results import summarize
 from loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, TrailPredictions, trail_requests
 from loadgen.workloads import WorkloadRequest
@@ -20,15 +20,17 @@ from shared.costmodel import DEFAULT_PROFILE, available_profiles
 
 
 def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
-             workload: str, rate: float, label: str | None = None) -> dict:
+             workload: str, rate: float, label: str | None = None,
+             local_label: str | None = None) -> dict:
     """One simulated run, as a result row (DESIGN.md s.11) plus simulator figures.
 
-    ``label`` names the policy in the row (a variant with knobs); default ``cfg.policy``.
+    ``label`` / ``local_label`` name the policies in the row (variants with knobs); default
+    ``cfg.policy`` / ``cfg.local_policy``.
     """
     run = ClusterSim(cfg).run(requests, arrivals)
     row = summarize(run.results, run.duration_s, policy=label or cfg.policy,
-                    local_policy=cfg.local_policy, workload=workload, rate=rate, gpus=cfg.gpus,
-                    backend="sim")
+                    local_policy=local_label or cfg.local_policy, workload=workload,
+                    rate=rate, gpus=cfg.gpus, backend="sim")
     row.update(mode="virtual", profile=cfg.profile, virtual_s=round(run.duration_s, 3),
                wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions,
                worker_requests=run.worker_requests, preemptions=run.preemptions,
@@ -48,12 +50,14 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
     """Every (rate, policy, local policy, predictions) point over the same seeded requests
     and arrivals.
 
-    ``policies`` are variant texts (``e2:th_bal=inf``, see ``loadgen.policy_variants``).
+    ``policies`` and ``local_policies`` are variant texts (``e2:th_bal=inf``,
+    ``sprpt_limited:preempt_fraction=0``; see ``loadgen.policy_variants``).
     With ``trail`` (the trained predictor's outputs) the requests are the ``sharegpt``
     conversations it predicted, with their predicted replies' lengths when those were
     SmolLM2's own (``loadgen.trail_preds``).
     """
     variants = [parse_variant(p) for p in policies]
+    local_variants = [parse_local_variant(p) for p in local_policies]
     modes = [predictions] if isinstance(predictions, str) else list(predictions)
     count = max(1, round(max(rates) * duration_s))
     if trail is not None:
@@ -67,16 +71,17 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
         n = max(1, round(rate * duration_s))
         arrivals = spec.times(rate, n)
         for v in variants:
-            for local, mode in [(lp, m) for lp in local_policies
-                                for m in (["none"] if lp in PREDICTION_BLIND else modes)]:
-                cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=local,
-                                    profile=profile, policy_config=v.config,
-                                    predictions=mode, trail=trail)
-                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label)
+            for lv, mode in [(lv, m) for lv in local_variants
+                             for m in (["none"] if lv.policy in PREDICTION_BLIND else modes)]:
+                cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=lv.policy,
+                                    local_config=lv.config, profile=profile,
+                                    policy_config=v.config, predictions=mode, trail=trail)
+                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label,
+                               lv.label)
                 row["seed"] = spec.seed
                 rows.append(row)
                 if progress:
-                    print(f"  {spec.workload} rate={rate:g} {v.label}/{local} ({mode}): "
+                    print(f"  {spec.workload} rate={rate:g} {v.label}/{lv.label} ({mode}): "
                           f"avg {row['latency_avg_s']:.3f}s p99 {row['latency_p99_s']:.3f}s "
                           f"hit {row['cache_hit_ratio']:.1%} failed {row['failed']} "
                           f"({row['wall_s']:.1f}s wall)", file=sys.stderr, flush=True)
@@ -95,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"global policies: {', '.join(POLICY_NAMES)}; a policy may take "
                    "PolicyConfig knobs, e.g. e2:th_bal=inf,replicate_max_workers=1")
     p.add_argument("--local-policies", default="prefix_fair",
-                   help=f"local policies: {', '.join(LOCAL_POLICIES)}")
+                   help=f"local policies: {', '.join(LOCAL_POLICIES)}; a policy may take its "
+                   "config's knobs, e.g. sprpt_limited:preempt_fraction=0")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
     p.add_argument("--predictions", default="none",
                    help="output-length predictions on requests (for sprpt_limited), one or "
@@ -115,15 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
-    policies, locals_ = split_variants(args.policies), parse_names(args.local_policies)
-    for p in policies:
-        try:
+    policies, locals_ = split_variants(args.policies), split_variants(args.local_policies)
+    try:
+        for p in policies:
             parse_variant(p)
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
-    bad = [p for p in locals_ if p not in LOCAL_POLICIES]
-    if bad:
-        raise SystemExit(f"unknown policy: {', '.join(bad)}")
+        for p in locals_:
+            parse_local_variant(p)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     modes = parse_names(args.predictions)
     bad = [m for m in modes if m not in PREDICTION_MODES]
     if bad:

@@ -34,6 +34,14 @@ DEFAULT_LOCAL_POLICY = "prefix_fair"
 LocalPolicyConfig = (
     FcfsConfig | PrefixFairConfig | SprptConfig | SrjfConfig | BatchGroupsConfig
 )
+# Each policy's config type (its knobs), by name.
+LOCAL_POLICY_CONFIGS: dict[str, type] = {
+    "fcfs": FcfsConfig,
+    "prefix_fair": PrefixFairConfig,
+    "sprpt_limited": SprptConfig,
+    "srjf_calibrated": SrjfConfig,
+    "batch_groups": BatchGroupsConfig,
+}
 _C = TypeVar("_C")
 
 
@@ -62,6 +70,7 @@ def _checked(name: str, config: object, kind: type[_C]) -> _C | None:
 __all__ = [
     "DEFAULT_LOCAL_POLICY",
     "LOCAL_POLICIES",
+    "LOCAL_POLICY_CONFIGS",
     "BatchGroupsConfig",
     "BatchGroupsPolicy",
     "CacheProbe",
