@@ -17,9 +17,9 @@ exactly as that workload builds it), in a seeded order. When the predictor was t
 SmolLM2's own replies (``predictor train --replies model``), the file says so with the
 replies' token ``budget``, and each request generates as many tokens as SmolLM2's reply to
 it had (at most the budget, which becomes its ``max_tokens``): the lengths the predictions
-are about, not ShareGPT's. When a run needs more requests when a run needs more requests than
-there are conversations they are reused, each reuse under its own tenant so its prompt is
-not served from the prefix cache a previous use left behind.
+are about, not ShareGPT's. When a run needs more requests than there are conversations
+they are reused, each reuse under its own tenant so its prompt is not served from the
+prefix cache a previous use left behind.
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ class Refiner:
                     self._sweep()
                 seed = seed_distribution(self.bins, req.predicted_output,
                                          req.predicted_distribution)
-                entry = (req, Smoother(self.bins, seed, self.every, self.forget,
-                                            self.target))
+                smoother = Smoother(self.bins, seed, self.every, self.forget, self.target)
+                entry = (req, smoother)
                 self._smoothers[req.request_id] = entry
             x = probe_input(hidden, t, self.step_features)
             remaining_at_t = entry[1].update(self.probe.proba(x), t)
