@@ -5,8 +5,6 @@ Build one by name with ``make_local_policy``; DESIGN.md section 6 lists the poli
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 from services.worker.local.base import (
     CacheProbe,
     EngineView,
@@ -21,50 +19,34 @@ from services.worker.local.prefix_fair import PrefixFairConfig, PrefixFairPolicy
 from services.worker.local.sprpt import SprptConfig, SprptPolicy
 from services.worker.local.srjf import SrjfConfig, SrjfPolicy
 
-# Names accepted by make_local_policy, in DESIGN.md section 6's order.
-LOCAL_POLICIES: tuple[str, ...] = (
-    "fcfs",
-    "prefix_fair",
-    "sprpt_limited",
-    "srjf_calibrated",
-    "batch_groups",
-)
+# Each policy by name, in DESIGN.md section 6's order: its class and its config type.
+_POLICIES: dict[str, tuple[type[LocalPolicy], type]] = {
+    "fcfs": (FcfsPolicy, FcfsConfig),
+    "prefix_fair": (PrefixFairPolicy, PrefixFairConfig),
+    "sprpt_limited": (SprptPolicy, SprptConfig),
+    "srjf_calibrated": (SrjfPolicy, SrjfConfig),
+    "batch_groups": (BatchGroupsPolicy, BatchGroupsConfig),
+}
+# Names accepted by make_local_policy.
+LOCAL_POLICIES: tuple[str, ...] = tuple(_POLICIES)
 DEFAULT_LOCAL_POLICY = "prefix_fair"
 
 LocalPolicyConfig = (
     FcfsConfig | PrefixFairConfig | SprptConfig | SrjfConfig | BatchGroupsConfig
 )
 # Each policy's config type (its knobs), by name.
-LOCAL_POLICY_CONFIGS: dict[str, type] = {
-    "fcfs": FcfsConfig,
-    "prefix_fair": PrefixFairConfig,
-    "sprpt_limited": SprptConfig,
-    "srjf_calibrated": SrjfConfig,
-    "batch_groups": BatchGroupsConfig,
-}
-_C = TypeVar("_C")
+LOCAL_POLICY_CONFIGS: dict[str, type] = {name: kind for name, (_, kind) in _POLICIES.items()}
 
 
 def make_local_policy(name: str, config: LocalPolicyConfig | None = None) -> LocalPolicy:
     """A fresh policy by name; ``config`` must be that policy's config type (None = defaults)."""
-    match name:
-        case "fcfs":
-            return FcfsPolicy(_checked(name, config, FcfsConfig))
-        case "prefix_fair":
-            return PrefixFairPolicy(_checked(name, config, PrefixFairConfig))
-        case "sprpt_limited":
-            return SprptPolicy(_checked(name, config, SprptConfig))
-        case "srjf_calibrated":
-            return SrjfPolicy(_checked(name, config, SrjfConfig))
-        case "batch_groups":
-            return BatchGroupsPolicy(_checked(name, config, BatchGroupsConfig))
-    raise ValueError(f"unknown local policy {name!r} (known: {', '.join(LOCAL_POLICIES)})")
-
-
-def _checked(name: str, config: object, kind: type[_C]) -> _C | None:
-    if config is None or isinstance(config, kind):
-        return config
-    raise TypeError(f"local policy {name!r} takes {kind.__name__}, not {type(config).__name__}")
+    if name not in _POLICIES:
+        raise ValueError(f"unknown local policy {name!r} (known: {', '.join(LOCAL_POLICIES)})")
+    cls, kind = _POLICIES[name]
+    if config is not None and not isinstance(config, kind):
+        raise TypeError(f"local policy {name!r} takes {kind.__name__}, "
+                        f"not {type(config).__name__}")
+    return cls(config)
 
 
 __all__ = [
