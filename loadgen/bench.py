@@ -12,10 +12,10 @@ from pathlib import Path
 
 import aiohttp
 
-from loadgen.client import run_open_loop
-from loadgen.options import WorkloadSpec, add_workload_args
-from loadgen.results import RequestResult, send_lag, summarize, to_model_time
-from loadgen.text_prompts import as_text
+from prefixmesh.loadgen.client import run_open_loop
+from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
+from prefixmesh.loadgen.results import RequestResult, send_lag, summarize, to_model_time
+from prefixmesh.loadgen.text_prompts import as_text
 
 PROGRESS_EVERY_S = 0.5
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from loadgen.results import RequestResult
-from loadgen.workloads import WorkloadRequest
+from prefixmesh.loadgen.results import RequestResult
+from prefixmesh.loadgen.workloads import WorkloadRequest
 
 DEFAULT_TIMEOUT_S = 600.0
 

@@ -1,6 +1,6 @@
 """Virtual-time cluster simulator: real policy objects against simulated GPUs, one process.
 
-The global policy (``services.scheduler.policies``), the local policies and the ``sim``
+The global policy (``prefixmesh.services.scheduler.policies``), the local policies and the ``sim``
 engine are the very objects the live mesh runs; only the clock and the bus are replaced.
 An event heap orders arrivals, engine step completions, load reports and policy ticks.
 Messages the live mesh carries over NATS are delivered here at the instant they are sent
@@ -15,17 +15,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loadgen.results import RequestResult
-from loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, Refiner, TrailPredictions
-from loadgen.workloads import WorkloadRequest
-from services.scheduler.policies import make_policy
-from services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
-from services.worker.engine.sim import SimEngine, SimEngineConfig
-from services.worker.engine.types import EngineRequest, StepPlan
-from services.worker.local import LocalPolicyConfig, make_local_policy
-from services.worker.reports import done_record, load_report
-from shared.blocks import block_hashes
-from shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.loadgen.results import RequestResult
+from prefixmesh.loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, Refiner, TrailPredictions
+from prefixmesh.loadgen.workloads import WorkloadRequest
+from prefixmesh.services.scheduler.policies import make_policy
+from prefixmesh.services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.services.worker.engine.sim import SimEngine, SimEngineConfig
+from prefixmesh.services.worker.engine.types import EngineRequest, StepPlan
+from prefixmesh.services.worker.local import LocalPolicyConfig, make_local_policy
+from prefixmesh.services.worker.reports import done_record, load_report
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 
 # Event kinds, in tie-break order at equal times: finish steps before new arrivals so a
 # freed slot is visible to the request that arrives at the same instant.

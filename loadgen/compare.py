@@ -55,11 +55,11 @@ from pathlib import Path
 
 import aiohttp
 
-from loadgen.guidellm_client import run_guidellm
-from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
-from loadgen.report import markdown, plot
-from services.up import LocalMesh, MeshOptions
-from shared.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
+from prefixmesh.loadgen.guidellm_client import run_guidellm
+from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
+from prefixmesh.loadgen.report import markdown, plot
+from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
 
 ROUTERS = {
     # family -> (policies it ships, argv prefix)
@@ -183,7 +183,7 @@ class WorkerGroup:
         try:
             for i in range(self.n):
                 port = free_port()
-                argv = [sys.executable, "-m", "services.cli", "worker", "--http", str(port),
+                argv = [sys.executable, "-m", "prefixmesh.services.cli", "worker", "--http", str(port),
                         "--nats-url", self.nats_url, "--subject-prefix", self.subject_prefix,
                         "--worker-id", f"w{i}", "--backend", "sim", "--profile", self.profile,
                         "--local-policy", self.local_policy, "--log-level", "WARNING",
@@ -289,7 +289,7 @@ def run_bench(url: str, model: str, c: Contender, rate: float, args: argparse.Na
               workload_argv: list[str], out: Path, log_dir: Path) -> dict:
     """``prefixmesh bench`` as a child process; its one result row."""
     # The model is named: sglang-router answers /v1/models as text/plain.
-    argv = [sys.executable, "-m", "services.cli", "bench", "--url", url, "--model", model,
+    argv = [sys.executable, "-m", "prefixmesh.services.cli", "bench", "--url", url, "--model", model,
             *workload_argv,
             "--rate", str(rate), "--duration", str(args.duration), "--json", str(out),
             "--label", c.name, "--local-policy", c.local_policy, "--gpus", str(args.workers),

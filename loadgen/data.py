@@ -1,4 +1,5 @@
-"""Where the real data sets live (the handbook's ``shared/data`` beside the repository)."""
+"""Where the real data sets live: ``loadgen/datasets`` (shipped in the package), or
+``$PREFIXMESH_DATA`` when set (a folder with the same layout)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import os
 from pathlib import Path
 
 ENV_VAR = "PREFIXMESH_DATA"
-# <repo>/loadgen/data.py -> <repo>/../shared/data
-DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+# The data sets ship inside the package (loadgen/datasets/README.md names their sources).
+DEFAULT_DIR = Path(__file__).resolve().with_name("datasets")
 
 
 class DataMissing(FileNotFoundError):
@@ -15,7 +16,7 @@ class DataMissing(FileNotFoundError):
 
 
 def data_dir() -> Path:
-    """The data folder: ``$PREFIXMESH_DATA`` or ``../shared/data`` beside the repository."""
+    """The data folder: ``$PREFIXMESH_DATA`` or the shipped ``loadgen/datasets``."""
     return Path(os.environ.get(ENV_VAR, DEFAULT_DIR))
 
 

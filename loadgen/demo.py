@@ -12,12 +12,12 @@ import json
 import sys
 from pathlib import Path
 
-from loadgen.arrivals import poisson
-from loadgen.client import run_open_loop
-from loadgen.results import summarize
-from loadgen.workloads import toolbench_text
-from services.up import LocalMesh, MeshOptions
-from shared.servers import free_port
+from prefixmesh.loadgen.arrivals import poisson
+from prefixmesh.loadgen.client import run_open_loop
+from prefixmesh.loadgen.results import summarize
+from prefixmesh.loadgen.workloads import toolbench_text
+from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.servers import free_port
 
 MODEL = "smollm2-135m-instruct"
 PROFILE = "mistral-7b-a6000"

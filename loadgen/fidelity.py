@@ -14,13 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadgen.bench import run_bench
-from loadgen.cluster_sim import ClusterConfig
-from loadgen.options import WorkloadSpec, add_workload_args
-from loadgen.sweep import simulate
-from services.up import LocalMesh, MeshOptions
-from shared.costmodel import DEFAULT_PROFILE
-from shared.servers import free_port
+from prefixmesh.loadgen.bench import run_bench
+from prefixmesh.loadgen.cluster_sim import ClusterConfig
+from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
+from prefixmesh.loadgen.sweep import simulate
+from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE
+from prefixmesh.shared.servers import free_port
 
 
 def run_fidelity(spec: WorkloadSpec, workers: int, rate: float, duration_s: float,

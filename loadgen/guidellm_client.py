@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadgen.options import WorkloadSpec
-from loadgen.results import to_model_time
-from loadgen.text_prompts import as_text
-from services.tokenizer.gguf_vocab import ensure_default_tokenizer
+from prefixmesh.loadgen.options import WorkloadSpec
+from prefixmesh.loadgen.results import to_model_time
+from prefixmesh.loadgen.text_prompts import as_text
+from prefixmesh.services.tokenizer.gguf_vocab import ensure_default_tokenizer
 
 # Seconds guidellm may run beyond the arrivals (drain, start-up).
 GUIDELLM_SLACK_S = 300.0

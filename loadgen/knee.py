@@ -1,6 +1,6 @@
 """Read sweep results the way Preble's figures are read: at the baseline's knee, and by SLO.
 
-``python -m loadgen.knee RESULTS.json... [--baseline round_robin] [--low 2] [--high 5]``
+``python -m prefixmesh.loadgen.knee RESULTS.json... [--baseline round_robin] [--low 2] [--high 5]``
 prints, for each (workload, GPUs) panel, the baseline's low-load p99 (its p99 at the lowest
 swept rate), every swept rate where the baseline's p99 is between ``low`` and ``high`` times
 that (the knee window), and at those rates each policy's average and p99 latency with the
@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadgen.report import load_runs
+from prefixmesh.loadgen.report import load_runs
 
 Panel = tuple[str, int]
 
@@ -155,7 +155,7 @@ def slo_report(runs: Sequence[dict], slo_s: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadgen.knee", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.knee", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--baseline", default="round_robin", help="policy whose knee is used")
     p.add_argument("--low", type=float, default=2.0, help="knee window: p99 from this x ...")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from loadgen.arrivals import ARRIVAL_SPECS, arrival_times
-from loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload
+from prefixmesh.loadgen.arrivals import ARRIVAL_SPECS, arrival_times
+from prefixmesh.loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.scheduler.policies import POLICY_NAMES
-from services.scheduler.policies.base import PolicyConfig
-from services.worker.local import LOCAL_POLICY_CONFIGS, LocalPolicyConfig
+from prefixmesh.services.scheduler.policies import POLICY_NAMES
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.worker.local import LOCAL_POLICY_CONFIGS, LocalPolicyConfig
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}

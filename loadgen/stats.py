@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload
-from shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 
 DEFAULT_COUNT = 1000
 # Preble Table 1 (prompt mean/std, output mean/std tokens, shared %), for comparison.
@@ -33,7 +33,7 @@ PREBLE_TABLE1: dict[str, tuple[float, float, float, float, float]] = {
 
 def _prompt_ids(req: WorkloadRequest) -> list[int]:
     if isinstance(req.prompt, str):  # text workloads (toolbench_text): tokenize to measure
-        from loadgen.workloads.base import tokenizer
+        from prefixmesh.loadgen.workloads.base import tokenizer
 
         return tokenizer().encode(req.prompt, add_special_tokens=False)
     return req.prompt
@@ -150,7 +150,7 @@ def run_workloads(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m loadgen.stats [--stats] [--count N] [--seed K] [names...]``."""
+    """``python -m prefixmesh.loadgen.stats [--stats] [--count N] [--seed K] [names...]``."""
     parser = argparse.ArgumentParser(prog="prefixmesh workloads",
                                      description="Workload statistics (see docs/workloads.md).")
     _add_arguments(parser)

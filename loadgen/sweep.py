@@ -8,15 +8,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadgen.cluster_sim import ClusterConfig, ClusterSim
-from loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
-from loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
-from loadgen.results import summarize
-from loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, TrailPredictions, trail_requests
-from loadgen.workloads import WorkloadRequest
-from services.scheduler.policies import POLICY_NAMES
-from services.worker.local import LOCAL_POLICIES
-from shared.costmodel import DEFAULT_PROFILE, available_profiles
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
+from prefixmesh.loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
+from prefixmesh.loadgen.results import summarize
+from prefixmesh.loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, TrailPredictions, trail_requests
+from prefixmesh.loadgen.workloads import WorkloadRequest
+from prefixmesh.services.scheduler.policies import POLICY_NAMES
+from prefixmesh.services.worker.local import LOCAL_POLICIES
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
 
 
 def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
@@ -51,10 +51,10 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
     and arrivals.
 
     ``policies`` and ``local_policies`` are variant texts (``e2:th_bal=inf``,
-    ``sprpt_limited:preempt_fraction=0``; see ``loadgen.policy_variants``).
+    ``sprpt_limited:preempt_fraction=0``; see ``prefixmesh.loadgen.policy_variants``).
     With ``trail`` (the trained predictor's outputs) the requests are the ``sharegpt``
     conversations it predicted, with their predicted replies' lengths when those were
-    SmolLM2's own (``loadgen.trail_preds``).
+    SmolLM2's own (``prefixmesh.loadgen.trail_preds``).
     """
     variants = [parse_variant(p) for p in policies]
     local_variants = [parse_local_variant(p) for p in local_policies]

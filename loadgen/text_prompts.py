@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from loadgen.workloads import WorkloadRequest
-from services.tokenizer.text import TextTokenizer
+from prefixmesh.loadgen.workloads import WorkloadRequest
+from prefixmesh.services.tokenizer.text import TextTokenizer
 
 
 def as_text(requests: Sequence[WorkloadRequest],

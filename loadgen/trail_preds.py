@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from loadgen.workloads import WorkloadRequest
-from services.worker.engine.types import EngineRequest
+from prefixmesh.loadgen.workloads import WorkloadRequest
+from prefixmesh.services.worker.engine.types import EngineRequest
 
 PREDICTION_MODES = ("none", "oracle", "initial", "refined")
 TRAIL_MODES = ("initial", "refined")
@@ -74,7 +74,7 @@ class TrailPredictions:
 def trail_requests(preds: TrailPredictions, count: int, seed: int, tenant: str = ""
                    ) -> list[WorkloadRequest]:
     """``count`` sharegpt requests over the predicted conversations (module doc)."""
-    from loadgen.workloads.sharegpt import conversation_requests
+    from prefixmesh.loadgen.workloads.sharegpt import conversation_requests
 
     convs = preds.conversations()
     built = [r for r in conversation_requests(convs, tenant) if r is not None]

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
-from shared.costmodel import DEFAULT_PROFILE, available_profiles
+from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
 
 BACKENDS = ("sim", "hf", "vllm")
 
@@ -47,7 +47,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.up import MeshOptions, run_up
+    from prefixmesh.services.up import MeshOptions, run_up
 
     if args.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
@@ -86,7 +86,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from loadgen.demo import run_demo
+    from prefixmesh.loadgen.demo import run_demo
 
     return run_demo(workers=args.workers, requests=args.requests, rate=args.rate,
                     policies=[p.strip() for p in args.policies.split(",") if p.strip()],
@@ -94,59 +94,59 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _workloads(argv: list[str]) -> int:
-    from loadgen.stats import main as stats_main
+    from prefixmesh.loadgen.stats import main as stats_main
 
     return stats_main(argv)
 
 
 def _bench(argv: list[str]) -> int:
-    from loadgen.bench import main as bench_main
+    from prefixmesh.loadgen.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def _report(argv: list[str]) -> int:
-    from loadgen.report import main as report_main
+    from prefixmesh.loadgen.report import main as report_main
 
     return report_main(argv)
 
 
 def _fidelity(argv: list[str]) -> int:
-    from loadgen.fidelity import main as fidelity_main
+    from prefixmesh.loadgen.fidelity import main as fidelity_main
 
     return fidelity_main(argv)
 
 
 def _sim(argv: list[str]) -> int:
-    from loadgen.sweep import main as sim_main
+    from prefixmesh.loadgen.sweep import main as sim_main
 
     return sim_main(argv)
 
 
 def _worker(argv: list[str]) -> int:
-    from services.worker.__main__ import main as worker_main
+    from prefixmesh.services.worker.__main__ import main as worker_main
 
     return worker_main(argv, standalone=True)
 
 
 def _compare(argv: list[str]) -> int:
-    from loadgen.compare import main as compare_main
+    from prefixmesh.loadgen.compare import main as compare_main
 
     return compare_main(argv)
 
 
 def _bench_scheduler(argv: list[str]) -> int:
     if "--live" in argv:
-        from services.scheduler.bench_live import main as live_main
+        from prefixmesh.services.scheduler.bench_live import main as live_main
 
         return live_main([a for a in argv if a != "--live"])
-    from services.scheduler.bench import main as bench_main
+    from prefixmesh.services.scheduler.bench import main as bench_main
 
     return bench_main(argv)
 
 
 def _predictor(argv: list[str]) -> int:
-    from services.predictor.train import main as predictor_main
+    from prefixmesh.services.predictor.train import main as predictor_main
 
     return predictor_main(argv)
 

@@ -1,6 +1,6 @@
 """Soak run: the whole mesh under steady ``prefixmesh bench`` load, sampled for growth.
 
-``python -m services.soak --capacity-rates 4,8,12,16 --duration 1800 --json results/soak.json``
+``python -m prefixmesh.services.soak --capacity-rates 4,8,12,16 --duration 1800 --json results/soak.json``
 starts a local mesh (``LocalMesh``, its own nats-server and redis-server on free ports) and:
 
 1. measures the mesh's capacity: ``prefixmesh bench`` at each of ``--capacity-rates`` for
@@ -33,8 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.up import LocalMesh, MeshOptions
-from shared.servers import ManagedProcess, free_port
+from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.servers import ManagedProcess, free_port
 
 # Peak growth allowed after warm-up (fraction) before the run is reported as failing.
 MAX_GROWTH = 0.10
@@ -142,7 +142,7 @@ def growth(samples: list[dict], start_s: float) -> dict[str, dict[str, float]]:
 def run_bench(mesh: LocalMesh, workload: str, rate: float, duration: float, out: Path,
               seed: int) -> ManagedProcess:
     bench = ManagedProcess(out.stem, [
-        sys.executable, "-m", "services.cli", "bench", "--url", mesh.url, "--workload", workload,
+        sys.executable, "-m", "prefixmesh.services.cli", "bench", "--url", mesh.url, "--workload", workload,
         "--rate", str(rate), "--duration", str(duration), "--seed", str(seed), "--no-progress",
         "--json", str(out)], log_path=out.with_suffix(".log"))
     bench.start()
@@ -198,7 +198,7 @@ def parse_rates(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.services.soak", description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, help="bench request rate (req/s); default: "
                    "--load-fraction of the capacity measured over --capacity-rates")
     p.add_argument("--capacity-rates", type=parse_rates, default=None,

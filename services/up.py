@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from shared.servers import (
+from prefixmesh.shared.servers import (
     ManagedProcess,
     child_env,
     free_port,
@@ -139,7 +139,7 @@ class LocalMesh:
             "PM_SUBJECT_PREFIX": o.subject_prefix, "PM_REDIS_PREFIX": o.subject_prefix,
             "PM_LOG_LEVEL": o.log_level, "PYTHONUNBUFFERED": "1", **o.extra_env, **env,
         }
-        proc = ManagedProcess(name, [sys.executable, "-m", f"services.{module}"],
+        proc = ManagedProcess(name, [sys.executable, "-m", f"prefixmesh.services.{module}"],
                               env=child_env(**base), log_path=self.log_dir / f"{name}.log")
         self.services.append(proc.start())
 

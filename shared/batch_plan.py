@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.costmodel import CostModel
+from prefixmesh.shared.costmodel import CostModel
 
 # Output tokens assumed for a request whose max_tokens is unknown (tokens).
 DEFAULT_OUTPUT_TOKENS = 16

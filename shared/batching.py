@@ -23,9 +23,9 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.bus import Bus
-from shared.lifecycle import TaskSet
-from shared.messages import encode
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import encode
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ only by adding fields at the end, with defaults.
 KV events follow vLLM's ``kv_events`` schema (``EventBatch`` of ``BlockStored``,
 ``BlockRemoved``, ``AllBlocksCleared``) so that vLLM replicas and the simulated GPU are
 consumed by the same scheduler code. Block hashes on our bus are always prefixmesh block
-hashes (``shared.blocks``); the vLLM bridge re-hashes from ``token_ids``.
+hashes (``prefixmesh.shared.blocks``); the vLLM bridge re-hashes from ``token_ids``.
 """
 
 from __future__ import annotations

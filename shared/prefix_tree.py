@@ -1,7 +1,7 @@
 """Global prefix tree over prefixmesh block hashes (DESIGN.md s.5).
 
 A radix tree whose edges are runs of consecutive block hashes. Block hashes are chained
-(``shared.blocks``): one hash names the whole prefix up to and including its block, so
+(``prefixmesh.shared.blocks``): one hash names the whole prefix up to and including its block, so
 the tree is prefix-closed and a run matches a prompt as soon as its *last* hash equals
 the prompt's hash at that depth. ``match`` therefore walks from the root with one dict
 lookup and one comparison per node.
@@ -46,7 +46,7 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from shared.blocks import BLOCK_SIZE
+from prefixmesh.shared.blocks import BLOCK_SIZE
 
 SNAPSHOT_VERSION = 1
 # Budgets by default: about 2.5x the KV cache of 16 A6000 workers (16 x 198,516 tokens),

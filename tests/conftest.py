@@ -6,12 +6,25 @@ traffic even though they share one server of each.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from shared.servers import start_nats, start_redis
+from prefixmesh.shared.servers import start_nats, start_redis
+from tests.helpers import REQUIRE_EXTRAS_ENV
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--require-extras", action="store_true",
+                     help="fail, instead of skipping, tests whose optional extras ([ml], "
+                     "[peers]) are not installed (make test sets it)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("require_extras"):
+        os.environ[REQUIRE_EXTRAS_ENV] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from shared.lifecycle import Service, run_service
+import pytest
+
+from prefixmesh.shared.lifecycle import Service, run_service
 
 START_TIMEOUT_S = 30.0
+# Set by ``pytest --require-extras`` (tests/conftest.py; ``make test`` passes it).
+REQUIRE_EXTRAS_ENV = "PREFIXMESH_REQUIRE_EXTRAS"
+
+
+def need(extra: str, *modules: str) -> None:
+    """Skip the calling test module when a module of an optional extra is missing; under
+    ``--require-extras`` (where every extra is installed) fail it instead."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    why = f"{', '.join(missing)} not installed (pip install '.[{extra}]')"
+    if os.environ.get(REQUIRE_EXTRAS_ENV):
+        raise ImportError(f"--require-extras: {why}")
+    pytest.skip(why, allow_module_level=True)
 
 
 @asynccontextmanager

@@ -10,8 +10,8 @@ and tokenized once per process), shared helpers in ``base``, names and mixes in
 ``docs/workloads.md`` describes each workload and its measured statistics.
 """
 
-from loadgen.workloads.base import WorkloadOptions, WorkloadRequest, zipf_weights
-from loadgen.workloads.registry import (
+from prefixmesh.loadgen.workloads.base import WorkloadOptions, WorkloadRequest, zipf_weights
+from prefixmesh.loadgen.workloads.registry import (
     WORKLOADS,
     WorkloadSpec,
     build_mix,
@@ -19,7 +19,7 @@ from loadgen.workloads.registry import (
     make_options,
     parse_mix,
 )
-from loadgen.workloads.toolbench import TOOLBENCH_SYSTEM, toolbench_text
+from prefixmesh.loadgen.workloads.toolbench import TOOLBENCH_SYSTEM, toolbench_text
 
 __all__ = [
     "TOOLBENCH_SYSTEM",

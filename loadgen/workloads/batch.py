@@ -15,14 +15,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     encode,
     stable_seed,
     variant_header,
 )
-from loadgen.workloads.sources import loogle_documents
+from prefixmesh.loadgen.workloads.sources import loogle_documents
 
 BATCH_INSTRUCTION = "Read the document and answer the question that follows.\n\n"
 BATCH_QUESTION = "\n\nQuestion: "

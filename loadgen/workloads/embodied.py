@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     encode,
@@ -29,7 +29,7 @@ from loadgen.workloads.base import (
     stable_seed,
     variant_header,
 )
-from loadgen.workloads.sources import AlfworldTrajectory, alfworld_trajectories
+from prefixmesh.loadgen.workloads.sources import AlfworldTrajectory, alfworld_trajectories
 
 # ReAct's ALFWorld prompt (its alfworld.ipynb), with the number of examples filled in.
 REACT_INSTRUCTION = "Interact with a household to solve a task. Here are {n} examples.\n"

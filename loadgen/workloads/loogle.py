@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     encode,
@@ -27,7 +27,7 @@ from loadgen.workloads.base import (
     stable_seed,
     variant_header,
 )
-from loadgen.workloads.sources import loogle_documents
+from prefixmesh.loadgen.workloads.sources import loogle_documents
 
 LOOGLE_INSTRUCTION = "Please answer the question based on the long texts below. \n"
 LOOGLE_QUESTION = "\nQuestion: "

@@ -20,14 +20,14 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     encode,
     pick_prefixes,
     stable_seed,
 )
-from loadgen.workloads.sources import loogle_token_stream
+from prefixmesh.loadgen.workloads.sources import loogle_token_stream
 
 POSTREC_INSTRUCTION = (
     "You are a recommendation system. Below is a user's profile and reading history, then a "

@@ -28,7 +28,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     LazyTokens,
     WorkloadOptions,
     WorkloadRequest,
@@ -41,7 +41,7 @@ from loadgen.workloads.base import (
     stable_seed,
     variant_header,
 )
-from loadgen.workloads.sources import sharegpt_conversations
+from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
 
 CODE_SYSTEM = ("You are an expert programmer. Solve the problem; answer with working code "
                "and a short explanation, as in the examples.\n\n")

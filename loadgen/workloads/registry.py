@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.workloads import (
+from prefixmesh.loadgen.workloads import (
     batch,
     embodied,
     loogle,
@@ -17,7 +17,7 @@ from loadgen.workloads import (
     toolbench,
     videoqa,
 )
-from loadgen.workloads.base import WorkloadOptions, WorkloadRequest, stable_seed
+from prefixmesh.loadgen.workloads.base import WorkloadOptions, WorkloadRequest, stable_seed
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import functools
 import random
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     assistant_open,
@@ -26,8 +26,8 @@ from loadgen.workloads.base import (
     encode_many,
     stable_seed,
 )
-from loadgen.workloads.sources import sharegpt_conversations
-from services.tokenizer.text import SMOLLM2_DEFAULT_SYSTEM_PROMPT
+from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
+from prefixmesh.services.tokenizer.text import SMOLLM2_DEFAULT_SYSTEM_PROMPT
 
 # vLLM benchmark_serving's ShareGPT filter (tokens).
 MIN_TOKENS = 4

@@ -1,6 +1,6 @@
 """The real data sets, read and tokenized once per process.
 
-Each loader reads its files through ``loadgen.data.data_file`` (a clear error naming the
+Each loader reads its files through ``prefixmesh.loadgen.data.data_file`` (a clear error naming the
 path when one is missing) and is memoized with ``functools.cache``: the caches are keyed by
 the data folder, so pointing ``$PREFIXMESH_DATA`` elsewhere reads again. Tokenization goes
 through the tokenizer's batch path, one call per data set. Nothing here depends on a seed;
@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadgen.data import DataMissing, data_dir, data_file
-from loadgen.workloads.base import LazyTokens, encode_many
+from prefixmesh.loadgen.data import DataMissing, data_dir, data_file
+from prefixmesh.loadgen.workloads.base import LazyTokens, encode_many
 
 TOOLBENCH_FILES = ("G1_tool", "G1_instruction", "G1_category", "G2_instruction",
                    "G2_category", "G3_instruction")

@@ -19,7 +19,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     assistant_open,
@@ -32,7 +32,7 @@ from loadgen.workloads.base import (
     variant_header,
     zipf_weights,
 )
-from loadgen.workloads.sources import toolbench_data, toolbench_rows
+from prefixmesh.loadgen.workloads.sources import toolbench_data, toolbench_rows
 
 TOOLBENCH_SYSTEM = (
     "You are AutoGPT, you can use many tools (functions) to do the following task. "

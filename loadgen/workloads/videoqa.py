@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadgen.workloads.base import (
+from prefixmesh.loadgen.workloads.base import (
     FIRST_REGULAR_ID,
     VOCAB_SIZE,
     WorkloadOptions,
@@ -34,7 +34,7 @@ from loadgen.workloads.base import (
     pick_prefixes,
     stable_seed,
 )
-from loadgen.workloads.sources import NEXTQA_FILES, nextqa_data
+from prefixmesh.loadgen.workloads.sources import NEXTQA_FILES, nextqa_data
 
 VIDEO_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
                 "The assistant gives helpful, detailed, and polite answers to the human's "

@@ -1,13 +1,13 @@
-"""``python -m services.edge``: run the HTTP edge."""
+"""``python -m prefixmesh.services.edge``: run the HTTP edge."""
 
-from services.edge.config import EdgeConfig
-from services.edge.service import EdgeService
-from shared.config import parse
-from shared.lifecycle import main
-from shared.log import setup_logging
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.service import EdgeService
+from prefixmesh.shared.config import parse
+from prefixmesh.shared.lifecycle import main
+from prefixmesh.shared.log import setup_logging
 
 if __name__ == "__main__":
-    cfg = parse(EdgeConfig, None, "python -m services.edge",
+    cfg = parse(EdgeConfig, None, "python -m prefixmesh.services.edge",
                 "OpenAI-compatible HTTP API in front of the prefixmesh mesh.")
     setup_logging("edge", cfg.log_level, cfg.log_json)
     main(lambda: EdgeService(cfg), cfg.drain_timeout_s)

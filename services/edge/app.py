@@ -13,12 +13,12 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from services.edge.auth import KeyResolver
-from services.edge.completion import check_length, complete, run_choice, token_prompts
-from services.edge.config import EdgeConfig
-from services.edge.openapi import openapi_document
-from services.edge.pipeline import MeshClient
-from services.edge.responses import (
+from prefixmesh.services.edge.auth import KeyResolver
+from prefixmesh.services.edge.completion import check_length, complete, run_choice, token_prompts
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.openapi import openapi_document
+from prefixmesh.services.edge.pipeline import MeshClient
+from prefixmesh.services.edge.responses import (
     ChoiceResult,
     ResponseMeta,
     Usage,
@@ -26,12 +26,12 @@ from services.edge.responses import (
     logprobs_body,
     usage_chunk,
 )
-from services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
-from services.edge.scoring import parse_score, score
-from services.edge.tenants import Admission, ApiKeys
-from shared.log import bind_request
-from shared.messages import GenerateChunkEvent, GenerateDoneEvent
-from shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
+from prefixmesh.services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
+from prefixmesh.services.edge.scoring import parse_score, score
+from prefixmesh.services.edge.tenants import Admission, ApiKeys
+from prefixmesh.shared.log import bind_request
+from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent
+from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.edge.schema import ApiError
-from services.edge.tenants import ApiKeys, bearer_key
+from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.services.edge.tenants import ApiKeys, bearer_key
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.edge.batch_format import (
+from prefixmesh.services.edge.batch_format import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
     MAX_METADATA,
@@ -24,9 +24,9 @@ from services.edge.batch_format import (
     count_lines,
     new_id,
 )
-from services.edge.batch_runner import BatchRunner
-from services.edge.batch_store import BatchStore
-from services.edge.schema import ApiError
+from prefixmesh.services.edge.batch_runner import BatchRunner
+from prefixmesh.services.edge.batch_store import BatchStore
+from prefixmesh.services.edge.schema import ApiError
 
 STORE = web.AppKey("batch_store", BatchStore)
 RUNNER = web.AppKey("batch_runner", BatchRunner)

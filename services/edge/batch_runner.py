@@ -2,7 +2,7 @@
 
 One ``BatchRunner`` per edge. A batch goes ``validating -> in_progress -> finalizing ->
 completed`` (or ``failed`` at validation, ``cancelling -> cancelled``). Its lines are
-tokenized, planned as a whole (``shared.batch_plan``: enlarged first-level prefix groups,
+tokenized, planned as a whole (``prefixmesh.shared.batch_plan``: enlarged first-level prefix groups,
 ordered and placed on the live workers by estimated GPU work) and submitted group by group
 to their planned worker, tagged with the batch id so the worker's ``batch_groups`` policy
 runs them below interactive traffic. Each worker gets at most ``inflight_per_worker``
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
 
-from services.edge.batch_format import (
+from prefixmesh.services.edge.batch_format import (
     CANCELLED,
     CANCELLING,
     COMPLETED,
@@ -46,16 +46,16 @@ from services.edge.batch_format import (
     output_line,
     parse_lines,
 )
-from services.edge.batch_store import BatchStore
-from services.edge.completion import complete, token_prompts
-from services.edge.config import EdgeConfig
-from services.edge.pipeline import MeshClient
-from services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
-from services.edge.workers import WorkerDirectory
-from shared.batch_plan import plan_batch
-from shared.costmodel import CostModel
-from shared.lifecycle import TaskSet
-from shared.messages import BatchProgressEvent
+from prefixmesh.services.edge.batch_store import BatchStore
+from prefixmesh.services.edge.completion import complete, token_prompts
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.pipeline import MeshClient
+from prefixmesh.services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
+from prefixmesh.services.edge.workers import WorkerDirectory
+from prefixmesh.shared.batch_plan import plan_batch
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import BatchProgressEvent
 
 log = logging.getLogger(__name__)
 

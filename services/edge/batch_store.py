@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import msgspec
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from nats.js.api import StorageType
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from services.edge.batch_format import (
+from prefixmesh.services.edge.batch_format import (
     BatchRecord,
     FileRecord,
     LineResult,
@@ -39,7 +40,10 @@ LIST_TIMEOUT_S = 5.0
 class BatchStore:
     """Files, batches and per-line results, durable in JetStream."""
 
-    def __init__(self, kv: KeyValue, files: ObjectStore) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, kv: KeyValue,
+                 files: ObjectStore) -> None:
+        self.js = js
+        self.bucket = bucket
         self.kv = kv
         self.files = files
 
@@ -48,16 +52,16 @@ class BatchStore:
         """Bind to (creating when missing) the prefix's KV bucket and object store."""
         js = nc.jetstream()
         name = prefix.replace("-", "_")
+        bucket = f"{name}_batch"
         try:
-            kv = await js.key_value(f"{name}_batch")
+            kv = await js.key_value(bucket)
         except NotFoundError:
-            kv = await js.create_key_value(bucket=f"{name}_batch", history=1,
-                                           storage=StorageType.FILE)
+            kv = await js.create_key_value(bucket=bucket, history=1, storage=StorageType.FILE)
         try:
             obs = await js.object_store(f"{name}_batch_files")
         except NotFoundError:
             obs = await js.create_object_store(f"{name}_batch_files", storage=StorageType.FILE)
-        return cls(kv, obs)
+        return cls(js, bucket, kv, obs)
 
     # ------------------------------------------------------------------ files
 
@@ -116,15 +120,30 @@ class BatchStore:
         return [v for _, v in await self._scan_items(pattern)]
 
     async def _scan_items(self, pattern: str) -> list[tuple[str, bytes]]:
-        """Current values of keys matching ``pattern`` (a server-side subject filter)."""
-        watcher = await self.kv.watch(pattern, ignore_deletes=True)
+        """Current values of keys matching ``pattern`` (a server-side subject filter).
+
+        The number of keys comes from the stream first (a KV bucket is the stream
+        ``KV_<bucket>`` over subjects ``$KV.<bucket>.<key>``), then a watch delivers their
+        last values until that many have arrived. The watch's own "initial values done"
+        marker is not used: nats-py can put it before the values when they reach the
+        client before its consumer-info request returns, which made a listing come back
+        empty under load.
+        """
+        info = await self.js.stream_info(f"KV_{self.bucket}",
+                                         subjects_filter=f"$KV.{self.bucket}.{pattern}")
+        expected = len(info.state.subjects or {})
         out: list[tuple[str, bytes]] = []
+        if not expected:
+            return out
+        watcher = await self.kv.watch(pattern)
         try:
-            while True:
+            seen = 0
+            while seen < expected:
                 entry = await watcher.updates(LIST_TIMEOUT_S)
-                if entry is None:  # initial values delivered
-                    break
-                if entry.value:
+                if entry is None:  # the marker: ignored, see above
+                    continue
+                seen += 1
+                if entry.value and entry.operation is None:  # deletes have no value
                     out.append((entry.key, entry.value))
         finally:
             await watcher.stop()

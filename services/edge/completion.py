@@ -12,12 +12,12 @@ from typing import Any
 
 import msgspec
 
-from services.edge.config import EdgeConfig
-from services.edge.pipeline import MeshClient, WorkerLost
-from services.edge.responses import ChoiceResult, ResponseMeta, Usage, full_response
-from services.edge.schema import ApiError, ParsedRequest
-from services.edge.stops import StopMatcher
-from shared.messages import GenerateChunkEvent, GenerateDoneEvent
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.pipeline import MeshClient, WorkerLost
+from prefixmesh.services.edge.responses import ChoiceResult, ResponseMeta, Usage, full_response
+from prefixmesh.services.edge.schema import ApiError, ParsedRequest
+from prefixmesh.services.edge.stops import StopMatcher
+from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent
 
 
 async def token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> list[list[int]]:

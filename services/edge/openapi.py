@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.edge.config import EdgeConfig
-from services.edge.schema import (
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.schema import (
     CHAT_ROLES,
     MAX_ALLOWED_TOKENS,
     MAX_CHOICES,

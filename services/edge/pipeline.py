@@ -20,11 +20,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.edge.schema import ApiError, Sampling
-from services.edge.workers import WorkerDirectory
-from shared.blocks import block_hashes
-from shared.bus import Bus, BusUnavailable
-from shared.messages import (
+from prefixmesh.services.edge.schema import ApiError, Sampling
+from prefixmesh.services.edge.workers import WorkerDirectory
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.bus import Bus, BusUnavailable
+from prefixmesh.shared.messages import (
     PREDICT_REPLY,
     ROUTE_REPLY,
     SUBMIT_REPLY,

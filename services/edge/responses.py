@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import TokenLogprob
+from prefixmesh.shared.messages import TokenLogprob
 
 
 @dataclass(slots=True)

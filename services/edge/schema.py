@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import ChatMessage
+from prefixmesh.shared.messages import ChatMessage
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_SEQUENCES = 4

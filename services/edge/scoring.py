@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 
-from services.edge.completion import check_length, run_choice, token_prompts
-from services.edge.config import EdgeConfig
-from services.edge.pipeline import MeshClient
-from services.edge.responses import ChoiceResult, Usage
-from services.edge.schema import (
+from prefixmesh.services.edge.completion import check_length, run_choice, token_prompts
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.pipeline import MeshClient
+from prefixmesh.services.edge.responses import ChoiceResult, Usage
+from prefixmesh.services.edge.schema import (
     MAX_ALLOWED_TOKENS,
     ApiError,
     ParsedRequest,

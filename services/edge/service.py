@@ -9,18 +9,18 @@ from contextlib import AsyncExitStack
 
 from aiohttp import web
 
-from services.edge.app import build_app
-from services.edge.auth import KeyResolver
-from services.edge.batch_api import add_batch_routes
-from services.edge.batch_runner import BatchRunner
-from services.edge.batch_store import BatchStore
-from services.edge.config import EdgeConfig
-from services.edge.pipeline import MeshClient, MeshTimeouts
-from services.edge.tenants import ApiKeys
-from services.edge.workers import WorkerDirectory
-from shared.bus import Bus
-from shared.messages import BUS_EVENT, STREAM_EVENT
-from shared.subjects import Subjects
+from prefixmesh.services.edge.app import build_app
+from prefixmesh.services.edge.auth import KeyResolver
+from prefixmesh.services.edge.batch_api import add_batch_routes
+from prefixmesh.services.edge.batch_runner import BatchRunner
+from prefixmesh.services.edge.batch_store import BatchStore
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
+from prefixmesh.services.edge.tenants import ApiKeys
+from prefixmesh.services.edge.workers import WorkerDirectory
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import BUS_EVENT, STREAM_EVENT
+from prefixmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class EdgeService:
         if cfg.api_keys_redis:
             import redis.asyncio as aioredis
 
-            from services.edge.auth import REDIS_TIMEOUT_S
+            from prefixmesh.services.edge.auth import REDIS_TIMEOUT_S
 
             redis = aioredis.from_url(cfg.redis_url, socket_timeout=REDIS_TIMEOUT_S,
                                       socket_connect_timeout=REDIS_TIMEOUT_S)

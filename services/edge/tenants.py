@@ -13,7 +13,7 @@ and, when ``--api-keys-redis`` is on, from the Redis hash ``<redis_prefix>:apike
 defaults). With no file and Redis lookup off, auth is off: every request belongs to the
 anonymous tenant "" and only the edge-wide limits apply.
 
-The tenant name salts block hashes (shared.blocks.tenant_salt), so one tenant's cached
+The tenant name salts block hashes (prefixmesh.shared.blocks.tenant_salt), so one tenant's cached
 prefixes are invisible to another's, in the workers' caches and the scheduler's tree.
 """
 
@@ -25,7 +25,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.edge.schema import ApiError
+from prefixmesh.services.edge.schema import ApiError
 
 # The tenant of every request when auth is off: it has no limits of its own, only the
 # edge-wide bound applies (an operator who turned auth off has no tenants to share between).

@@ -1,12 +1,12 @@
-"""``python -m services.metrics``: run the cluster metrics service."""
+"""``python -m prefixmesh.services.metrics``: run the cluster metrics service."""
 
-from services.metrics.service import MetricsConfig, MetricsService
-from shared.config import parse
-from shared.lifecycle import main
-from shared.log import setup_logging
+from prefixmesh.services.metrics.service import MetricsConfig, MetricsService
+from prefixmesh.shared.config import parse
+from prefixmesh.shared.lifecycle import main
+from prefixmesh.shared.log import setup_logging
 
 if __name__ == "__main__":
-    cfg = parse(MetricsConfig, None, "python -m services.metrics",
+    cfg = parse(MetricsConfig, None, "python -m prefixmesh.services.metrics",
                 "Cluster view from the bus: Prometheus /metrics and JSON /cluster.")
     setup_logging("metrics", cfg.log_level, cfg.log_json)
     main(lambda: MetricsService(cfg), cfg.drain_timeout_s)

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.messages import (
+from prefixmesh.shared.messages import (
     BatchProgressEvent,
     LoadReportEvent,
     RequestDoneEvent,

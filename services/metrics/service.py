@@ -14,19 +14,19 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.metrics.cluster import ClusterView
-from shared.bus import Bus
-from shared.config import CommonConfig, option
-from shared.lifecycle import TaskSet
-from shared.messages import (
+from prefixmesh.services.metrics.cluster import ClusterView
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import (
     BUS_EVENT,
     BatchProgressEvent,
     LoadReportEvent,
     RequestDoneEvent,
     SchedulerStatsEvent,
 )
-from shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
-from shared.subjects import Subjects
+from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
+from prefixmesh.shared.subjects import Subjects
 
 # The dashboard's files (dashboard.html, dashboard.js, dashboard.css).
 STATIC_DIR = Path(__file__).with_name("static")

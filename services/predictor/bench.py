@@ -4,7 +4,7 @@
   prompts given as SmolLM2 chat token ids, exactly what one micro-batch of the service
   runs (decode the user turn, MiniLM, head): wall time, and the process's CPU time (what
   the batch costs whatever else shares the cores); also the decode step alone.
-- ``nats``: the same through NATS: a ``python -m services.predictor --model-dir`` process
+- ``nats``: the same through NATS: a ``python -m prefixmesh.services.predictor --model-dir`` process
   and a nats-server of its own; each round sends ``--batch`` concurrent
   ``PredictLengthRequest`` and times the round (first send to last reply) and each request.
 - ``refine``: the hf worker's in-process refinement (services/worker/refiner.py): decode
@@ -12,7 +12,7 @@
   spends per decode step (probe every ``tokens_per_update`` tokens, Smoother, policy
   update); then the same requests without refinement, for the capture's own cost.
 
-``python -m services.predictor.bench service --model DIR --json OUT`` (see --help).
+``python -m prefixmesh.services.predictor.bench service --model DIR --json OUT`` (see --help).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _ms(values: list[float]) -> dict:
 
 def chat_prompts(n: int, tok) -> list[list[int]]:
     """``n`` ShareGPT first human messages as SmolLM2 chat prompts (token ids)."""
-    from loadgen.workloads.sources import sharegpt_conversations
-    from shared.messages import ChatMessage
+    from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
+    from prefixmesh.shared.messages import ChatMessage
 
     texts = [c[0][1] for c in sharegpt_conversations()
              if c and c[0][0] == "human" and c[0][1].strip()]
@@ -63,7 +63,7 @@ def _batches(prompts: list[list[int]], batch: int, count: int) -> list[list[list
 
 def bench_service(args: argparse.Namespace) -> dict:
     """The service's model path in process (one micro-batch per call)."""
-    from services.predictor.serving import ModelPredictor
+    from prefixmesh.services.predictor.serving import ModelPredictor
 
     model = ModelPredictor(args.model, threads=args.threads)
     prompts = chat_prompts(args.batch * args.batches, model.tok)
@@ -90,9 +90,9 @@ def bench_service(args: argparse.Namespace) -> dict:
 
 async def _nats_rounds(url: str, prefix: str, prompts: list[list[int]], batch: int,
                        rounds: int, timeout: float) -> tuple[list[float], list[float], int]:
-    from shared.bus import Bus, BusUnavailable
-    from shared.messages import PREDICT_REPLY, PredictLengthRequest
-    from shared.subjects import Subjects
+    from prefixmesh.shared.bus import Bus, BusUnavailable
+    from prefixmesh.shared.messages import PREDICT_REPLY, PredictLengthRequest
+    from prefixmesh.shared.subjects import Subjects
 
     bus = await Bus.connect(url, Subjects(prefix), "predictor-bench")
     try:
@@ -146,15 +146,15 @@ def _batch_sizes(port: int) -> dict:
 
 def bench_nats(args: argparse.Namespace) -> dict:
     """Rounds of ``batch`` concurrent requests to a predictor process over NATS."""
-    from services.tokenizer.text import TextTokenizer
-    from shared.servers import ManagedProcess, child_env, free_port, start_nats
+    from prefixmesh.services.tokenizer.text import TextTokenizer
+    from prefixmesh.shared.servers import ManagedProcess, child_env, free_port, start_nats
 
     prompts = chat_prompts(args.batch * args.batches, TextTokenizer.load())
     with tempfile.TemporaryDirectory() as tmp:
         nats, url = start_nats(log_path=Path(tmp) / "nats.log")
         prefix = f"bench{os.getpid()}"
         metrics_port = free_port()
-        svc = ManagedProcess("predictor", [sys.executable, "-m", "services.predictor"],
+        svc = ManagedProcess("predictor", [sys.executable, "-m", "prefixmesh.services.predictor"],
                              env=child_env(PM_NATS_URL=url, PM_SUBJECT_PREFIX=prefix,
                                            PM_MODEL_DIR=str(args.model),
                                            PM_THREADS=str(args.threads),
@@ -179,8 +179,8 @@ def bench_nats(args: argparse.Namespace) -> dict:
 def _run_requests(engine, tok, prompts: list[list[int]], max_tokens: int) -> list[float]:
     """Run ``prompts`` to ``max_tokens`` each (ignore_eos) on a running-loop-less engine;
     returns the seconds of every decode forward pass (one token each)."""
-    from services.worker.engine.types import EngineRequest
-    from shared.messages import SamplingParams
+    from prefixmesh.services.worker.engine.types import EngineRequest
+    from prefixmesh.shared.messages import SamplingParams
 
     decode_s: list[float] = []
     forward = engine._forward
@@ -222,10 +222,10 @@ def _run_requests(engine, tok, prompts: list[list[int]], max_tokens: int) -> lis
 
 def bench_refine(args: argparse.Namespace) -> dict:
     """Refinement cost per decode step against the hf engine's decode step."""
-    from services.tokenizer.text import TextTokenizer
-    from services.worker.engine.hf_engine import HfEngine, HfEngineConfig
-    from services.worker.local import make_local_policy
-    from services.worker.refiner import attach_refiner
+    from prefixmesh.services.tokenizer.text import TextTokenizer
+    from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig
+    from prefixmesh.services.worker.local import make_local_policy
+    from prefixmesh.services.worker.refiner import attach_refiner
 
     tok = TextTokenizer.load()
     prompts = [p[:args.prompt_tokens] for p in chat_prompts(args.requests, tok)]
@@ -262,7 +262,7 @@ def bench_refine(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m services.predictor.bench",
+    ap = argparse.ArgumentParser(prog="python -m prefixmesh.services.predictor.bench",
                                  description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
     for name, help_ in (("service", "model path in process"), ("nats", "through NATS"),

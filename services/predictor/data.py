@@ -68,7 +68,7 @@ class Sample:
 
 def first_exchanges() -> list[tuple[str, str]]:
     """(human, gpt) first turns of ShareGPT, in the order the sharegpt workload numbers them."""
-    from loadgen.workloads.sources import sharegpt_conversations
+    from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
 
     return [(c[0][1], c[1][1]) for c in sharegpt_conversations()
             if len(c) >= 2 and c[0][0] == "human" and c[1][0] == "gpt"
@@ -79,11 +79,11 @@ def load_samples(n: int, seed: int, max_prompt: int, tok, sample_filter: str = "
                  ) -> list[Sample]:
     """The first ``n`` first exchanges passing ``sample_filter``, in a seeded random order
     (the same seed gives the same list, so train and test splits are slices of it)."""
-    from shared.messages import ChatMessage
+    from prefixmesh.shared.messages import ChatMessage
 
     if sample_filter not in SAMPLE_FILTERS:
         raise ValueError(f"sample filter must be one of {SAMPLE_FILTERS}")
-    from loadgen.workloads.sharegpt import MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS
+    from prefixmesh.loadgen.workloads.sharegpt import MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS
 
     pairs = first_exchanges()
     order = list(range(len(pairs)))
@@ -142,7 +142,7 @@ def model_replies(samples: list[Sample], max_new: int, temperature: float, seed:
             replies = json.loads(path.read_text())
         else:
             if model is None:
-                from services.worker.engine.hf_model import load_model
+                from prefixmesh.services.worker.engine.hf_model import load_model
 
                 model = load_model("", threads)
             replies = _sample_replies(model, chunk, max_new, temperature, seed + c0)
@@ -204,7 +204,7 @@ def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_re
                 c_steps, c_owner = z["steps"], z["owner"]
         else:
             if model is None:
-                from services.worker.engine.hf_model import load_model
+                from prefixmesh.services.worker.engine.hf_model import load_model
 
                 model = load_model("", threads)
             got, c_steps, c_owner = _teacher_force(model, chunk, stored, stride, max_reply)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.predictor.trail import STEP_FEATURE_DIM, LengthBins
+from prefixmesh.services.predictor.trail import STEP_FEATURE_DIM, LengthBins
 
 # Longest prompt the encoder reads (MiniLM's own limit is 256 word pieces).
 ENCODER_MAX_TOKENS = 256

@@ -3,7 +3,7 @@
 Two sources: a trained artifact (``--model-dir``: MiniLM + head over TRAIL's length bins,
 ``serving.ModelPredictor``) for requests that carry their prompt's ``token_ids``, and the
 workload prior (``prior.LengthPrior``) for everything else, or for every request when no
-artifact is configured. Requests are answered in micro-batches (``shared.batching``): the
+artifact is configured. Requests are answered in micro-batches (``prefixmesh.shared.batching``): the
 concurrent ones share one encoder forward pass, which runs on the service's own
 one-thread executor so the event loop never blocks. torch is imported only when an
 artifact is configured.
@@ -19,21 +19,21 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from services.predictor.prior import DEFAULT_TABLE, LengthPrior
-from services.predictor.serving import check_token_ids
-from shared.batching import BatchServer
-from shared.bus import Bus
-from shared.config import CommonConfig, option
-from shared.lifecycle import TaskSet
-from shared.messages import (
+from prefixmesh.services.predictor.prior import DEFAULT_TABLE, LengthPrior
+from prefixmesh.services.predictor.serving import check_token_ids
+from prefixmesh.shared.batching import BatchServer
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import (
     PREDICT_REQUEST,
     ErrorInfo,
     LengthDistribution,
     PredictLengthReply,
     PredictLengthRequest,
 )
-from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
-from shared.subjects import PREDICTOR_GROUP, Subjects
+from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import PREDICTOR_GROUP, Subjects
 
 REQUESTS = Counter("prefixmesh_predictor_requests_total", "predictions by outcome", ["outcome"])
 ERRORS = Counter("prefixmesh_predictor_errors_total", "requests answered with an error, by code",
@@ -92,7 +92,7 @@ class PredictorService:
         await self.server.start(tasks)
 
     async def _load_model(self, stack: AsyncExitStack) -> None:
-        from services.predictor.serving import ModelPredictor  # torch, only when asked for
+        from prefixmesh.services.predictor.serving import ModelPredictor  # torch, only when asked for
 
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="predictor-model")
         stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.tokenizer.text import TextTokenizer
+from prefixmesh.services.tokenizer.text import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class ModelPredictor:
     """
 
     def __init__(self, folder: str | Path, threads: int = 1, tokenizer_path: str = "") -> None:
-        from services.predictor.models import PredictorArtifact, PromptEncoder
+        from prefixmesh.services.predictor.models import PredictorArtifact, PromptEncoder
 
         self.artifact: Any = PredictorArtifact.load(Path(folder))
         self.mode = str(self.artifact.train_config.get("encoder", "full"))
@@ -120,8 +120,8 @@ class ModelPredictor:
     def predict_distributions(self, prompts: Sequence[Sequence[int]]
                               ) -> list[tuple[float, list[float]]]:
         """Each prompt's expected output tokens and its distribution over the bins."""
-        from services.predictor.models import predict_proba
-        from services.predictor.trail import expected_length
+        from prefixmesh.services.predictor.models import predict_proba
+        from prefixmesh.services.predictor.trail import expected_length
 
         if not prompts:
             return []

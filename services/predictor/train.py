@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.data import (
+from prefixmesh.services.predictor.data import (
     REPLY_SOURCES,
     SAMPLE_FILTERS,
     Sample,
@@ -45,7 +45,7 @@ from services.predictor.data import (
     load_samples,
     model_replies,
 )
-from services.predictor.trail import (
+from prefixmesh.services.predictor.trail import (
     BIN_SPACINGS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_BINS,
@@ -129,7 +129,7 @@ def _mae(pred: np.ndarray, target: np.ndarray) -> float:
 
 def collect(args: argparse.Namespace) -> dict:
     """Teacher-force test then train samples into the cache."""
-    from services.tokenizer.text import TextTokenizer
+    from prefixmesh.services.tokenizer.text import TextTokenizer
 
     cfg = vars(args)
     train_s, test_s = split_samples(cfg, TextTokenizer.load())
@@ -146,7 +146,7 @@ def collect(args: argparse.Namespace) -> dict:
 
 def train(args: argparse.Namespace) -> dict:
     """Build and save an artifact; returns its config."""
-    from services.predictor.models import (
+    from prefixmesh.services.predictor.models import (
         HEAD_HIDDEN,
         PROBE_HIDDEN,
         PredictorArtifact,
@@ -155,7 +155,7 @@ def train(args: argparse.Namespace) -> dict:
         predict_proba,
         train_classifier,
     )
-    from services.tokenizer.text import TextTokenizer
+    from prefixmesh.services.tokenizer.text import TextTokenizer
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("func", "out", "verb", "json")}
     tok = TextTokenizer.load()
@@ -230,8 +230,8 @@ def train(args: argparse.Namespace) -> dict:
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Score an artifact on its held-out split (same seed, filter and sizes as training)."""
-    from services.predictor.models import PredictorArtifact, PromptEncoder, predict_proba
-    from services.tokenizer.text import TextTokenizer
+    from prefixmesh.services.predictor.models import PredictorArtifact, PromptEncoder, predict_proba
+    from prefixmesh.services.tokenizer.text import TextTokenizer
 
     art = PredictorArtifact.load(Path(args.model))
     tc = art.train_config
@@ -313,7 +313,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def _latency(enc, art, prompts: list[str], repeats: int) -> dict:
     """Initial prediction (tokenize + encode + head) on batches of 32 prompts, in ms."""
-    from services.predictor.models import predict_proba
+    from prefixmesh.services.predictor.models import predict_proba
 
     times = []
     for r in range(repeats):

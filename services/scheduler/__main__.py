@@ -1,4 +1,4 @@
-"""``python -m services.scheduler``: run the global scheduler.
+"""``python -m prefixmesh.services.scheduler``: run the global scheduler.
 
 Two config groups share the command line and the ``PM_*`` environment: the service's own
 ``SchedulerConfig`` and the policy's knobs, ``PolicyConfig`` (e.g. ``--th-bal`` /
@@ -7,20 +7,20 @@ Two config groups share the command line and the ``PM_*`` environment: the servi
 
 import argparse
 
-from services.scheduler.policies.base import PolicyConfig
-from services.scheduler.service import SchedulerConfig, SchedulerService
-from shared.config import add_arguments, from_sources
-from shared.lifecycle import main
-from shared.log import setup_logging
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.shared.config import add_arguments, from_sources
+from prefixmesh.shared.lifecycle import main
+from prefixmesh.shared.log import setup_logging
 
 
 def parse(argv: list[str] | None = None) -> tuple[SchedulerConfig, PolicyConfig]:
     """Both config groups from defaults < env < CLI."""
     parser = argparse.ArgumentParser(
-        prog="python -m services.scheduler",
+        prog="python -m prefixmesh.services.scheduler",
         description="Global E2 scheduler: routes requests to workers by prefix cache and load.")
     add_arguments(parser, SchedulerConfig)
-    add_arguments(parser.add_argument_group("policy knobs (services.scheduler.policies.base."
+    add_arguments(parser.add_argument_group("policy knobs (prefixmesh.services.scheduler.policies.base."
                                             "PolicyConfig)"), PolicyConfig)
     args = parser.parse_args(argv)
     return from_sources(SchedulerConfig, args), from_sources(PolicyConfig, args)

@@ -23,11 +23,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.policies import POLICY_NAMES, make_policy
-from services.scheduler.policies.base import GlobalPolicy, PolicyConfig, RouteInput
-from shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
-from shared.costmodel import DEFAULT_PROFILE, CostModel
-from shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
+from prefixmesh.services.scheduler.policies.base import GlobalPolicy, PolicyConfig, RouteInput
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
 
 WORKLOADS = ("toolbench", "videoqa")
 VOCAB = 32_000

@@ -19,12 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.scheduler.bench import WORKLOADS, make_stream
-from services.scheduler.policies import POLICY_NAMES
-from shared.bus import Bus
-from shared.messages import ROUTE_REPLY, LoadReportEvent, RouteRequest
-from shared.servers import ManagedProcess, child_env, start_nats, start_redis
-from shared.subjects import Subjects
+from prefixmesh.services.scheduler.bench import WORKLOADS, make_stream
+from prefixmesh.services.scheduler.policies import POLICY_NAMES
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import ROUTE_REPLY, LoadReportEvent, RouteRequest
+from prefixmesh.shared.servers import ManagedProcess, child_env, start_nats, start_redis
+from prefixmesh.shared.subjects import Subjects
 
 PREFIX = "benchlive"
 REPORT_INTERVAL_S = 0.25
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc, redis_url = start_redis(data_dir=tmp, log_path=tmp / "redis.log")
                 procs.append(proc)
             procs.append(ManagedProcess(
-                "scheduler", [sys.executable, "-m", "services.scheduler"],
+                "scheduler", [sys.executable, "-m", "prefixmesh.services.scheduler"],
                 env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
                               PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
                               PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",

@@ -1,6 +1,6 @@
 """Scheduler service: the global policy behind ``sched.route``, fed by KV events and loads.
 
-The policy object is pure (``services.scheduler.policies``); this shell owns the bus
+The policy object is pure (``prefixmesh.services.scheduler.policies``); this shell owns the bus
 subscriptions, worker liveness, KV-event sequence checking and write-behind persistence.
 Routing never waits on Redis: snapshots are written by a background task.
 """
@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.scheduler.lease import Lease, LeaseState
-from services.scheduler.stats import build_stats
-from services.scheduler.store import StateStore
-from services.scheduler.policies import make_policy
-from services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
-from shared.bus import Bus
-from shared.config import CommonConfig, option
-from shared.costmodel import DEFAULT_PROFILE, CostModel
-from shared.lifecycle import TaskSet
-from shared.messages import (
+from prefixmesh.services.scheduler.lease import Lease, LeaseState
+from prefixmesh.services.scheduler.stats import build_stats
+from prefixmesh.services.scheduler.store import StateStore
+from prefixmesh.services.scheduler.policies import make_policy
+from prefixmesh.services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import (
     BUS_EVENT,
     ROUTE_REQUEST,
     ErrorInfo,
@@ -37,8 +37,8 @@ from shared.messages import (
     RouteReply,
     RouteRequest,
 )
-from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
-from shared.subjects import SCHEDULER_GROUP, Subjects
+from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import SCHEDULER_GROUP, Subjects
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from services.scheduler.policies.base import GlobalPolicy
+from prefixmesh.services.scheduler.policies.base import GlobalPolicy
 
 log = logging.getLogger(__name__)
 

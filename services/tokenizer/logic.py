@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from services.tokenizer.text import TextTokenizer
-from shared.messages import (
+from prefixmesh.services.tokenizer.text import TextTokenizer
+from prefixmesh.shared.messages import (
     DetokenizeReply,
     DetokenizeRequest,
     ErrorInfo,

@@ -13,19 +13,19 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from services.tokenizer.logic import handle
-from services.tokenizer.text import TextTokenizer
-from shared.bus import Bus
-from shared.config import CommonConfig, option
-from shared.messages import (
+from prefixmesh.services.tokenizer.logic import handle
+from prefixmesh.services.tokenizer.text import TextTokenizer
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.messages import (
     TOKENIZER_REQUEST,
     DetokenizeRequest,
     ErrorInfo,
     TokenizeReply,
     TokenizeRequest,
 )
-from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
-from shared.subjects import TOKENIZER_GROUP, Subjects
+from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import TOKENIZER_GROUP, Subjects
 
 REQUESTS = Counter("prefixmesh_tokenizer_requests_total", "tokenizer requests by outcome",
                    ["outcome"])

@@ -18,8 +18,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from services.tokenizer.gguf_vocab import CONFIG_FILE, TOKENIZER_FILE, ensure_default_tokenizer
-from shared.messages import ChatMessage
+from prefixmesh.services.tokenizer.gguf_vocab import CONFIG_FILE, TOKENIZER_FILE, ensure_default_tokenizer
+from prefixmesh.shared.messages import ChatMessage
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m services.worker``: run one engine replica.
+"""``python -m prefixmesh.services.worker``: run one engine replica.
 
 ``prefixmesh worker`` is the same with two conveniences for a standalone HTTP worker:
 ``--http PORT`` is short for ``--http-port PORT``, and unless ``--nats-url`` (or
@@ -12,11 +12,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
-from shared.config import ENV_PREFIX, parse
-from shared.lifecycle import main as run_main
-from shared.log import setup_logging
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.config import ENV_PREFIX, parse
+from prefixmesh.shared.lifecycle import main as run_main
+from prefixmesh.shared.log import setup_logging
 
 
 def _standalone_argv(argv: list[str]) -> list[str]:
@@ -33,7 +33,7 @@ def _standalone_argv(argv: list[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None, standalone: bool = False) -> int:
     """Parse the worker's config and run it until SIGINT/SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = "prefixmesh worker" if standalone else "python -m services.worker"
+    prog = "prefixmesh worker" if standalone else "python -m prefixmesh.services.worker"
     cfg = parse(WorkerConfig, _standalone_argv(argv) if standalone else argv, prog,
                 "One engine replica (simulated GPU by default) with its local scheduler.")
     if not cfg.mesh and not cfg.http_port:

@@ -6,9 +6,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
-from shared.config import CommonConfig, option
-from shared.costmodel import DEFAULT_PROFILE
+from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
+from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 
 
 @dataclass(frozen=True)

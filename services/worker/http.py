@@ -41,8 +41,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from services.edge.app import errors_middleware
-from services.edge.responses import (
+from prefixmesh.services.edge.app import errors_middleware
+from prefixmesh.services.edge.responses import (
     ChoiceResult,
     ResponseMeta,
     Usage,
@@ -50,7 +50,7 @@ from services.edge.responses import (
     full_response,
     usage_chunk,
 )
-from services.edge.schema import (
+from prefixmesh.services.edge.schema import (
     ApiError,
     ParsedRequest,
     Sampling,
@@ -58,8 +58,8 @@ from services.edge.schema import (
     parse_chat,
     parse_completion,
 )
-from services.worker.service import WorkerService
-from shared.messages import (
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.messages import (
     GenerateChunkEvent,
     GenerateDoneEvent,
     GenerateRequest,

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.worker.engine.vllm_events import (
+from prefixmesh.services.worker.engine.vllm_events import (
     END_SEQ,
     BlockTranslator,
     SeqGap,
@@ -29,7 +29,7 @@ from services.worker.engine.vllm_events import (
     decode_seq,
     encode_seq,
 )
-from shared.messages import KvEvent
+from prefixmesh.shared.messages import KvEvent
 
 if TYPE_CHECKING:
     import zmq.asyncio

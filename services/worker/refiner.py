@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from services.predictor.trail import LengthBins, Smoother, probe_input, softmax
-from services.worker.engine.types import EngineRequest, RequestStatus
-from shared.messages import LengthDistribution
+from prefixmesh.services.predictor.trail import LengthBins, Smoother, probe_input, softmax
+from prefixmesh.services.worker.engine.types import EngineRequest, RequestStatus
+from prefixmesh.shared.messages import LengthDistribution
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Refiner:
     @classmethod
     def load(cls, folder: str | Path, update: Update | None = None) -> Refiner:
         """From a predictor artifact folder (torch is needed to read it, not to run it)."""
-        from services.predictor.models import PredictorArtifact
+        from prefixmesh.services.predictor.models import PredictorArtifact
 
         art = PredictorArtifact.load(Path(folder))
         probe = ProbeMLP.from_state_dict(art.probe.state_dict())

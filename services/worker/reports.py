@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.worker.engine.types import EngineRequest, EngineStats
-from shared.messages import LoadReportEvent, RequestDoneEvent
+from prefixmesh.services.worker.engine.types import EngineRequest, EngineStats
+from prefixmesh.shared.messages import LoadReportEvent, RequestDoneEvent
 
 
 def load_report(worker_id: str, s: EngineStats, ts: float, backend: str = "sim",

@@ -24,27 +24,27 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
-from services.worker.config import WorkerConfig
-from services.worker.engine.hf_engine import HfEngine, HfEngineConfig
-from services.worker.engine.hf_model import missing_dependencies as hf_missing
-from services.worker.engine.pacing import Pacer
-from services.worker.engine.sim import SimEngine, SimEngineConfig
-from services.worker.engine.types import EngineRequest, StepOutput
-from services.worker.engine.vllm_engine import (
+from prefixmesh.services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig
+from prefixmesh.services.worker.engine.hf_model import missing_dependencies as hf_missing
+from prefixmesh.services.worker.engine.pacing import Pacer
+from prefixmesh.services.worker.engine.sim import SimEngine, SimEngineConfig
+from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput
+from prefixmesh.services.worker.engine.vllm_engine import (
     VllmEngine,
     VllmEngineConfig,
     VllmUnavailable,
     missing_dependencies,
 )
-from services.worker.local import make_local_policy
-from services.worker.replay import FinishedJournals, StreamJournal
-from services.worker.reports import done_record, load_report
-from services.worker.sim_logprobs import prompt_key, scored_token, token_logprobs
-from shared.bus import Bus
-from shared.costmodel import CostModel
-from shared.lifecycle import TaskSet
-from shared.messages import (
+from prefixmesh.services.worker.local import make_local_policy
+from prefixmesh.services.worker.replay import FinishedJournals, StreamJournal
+from prefixmesh.services.worker.reports import done_record, load_report
+from prefixmesh.services.worker.sim_logprobs import prompt_key, scored_token, token_logprobs
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import (
     WORKER_REQUEST,
     AbortRequest,
     BlockRemoved,
@@ -58,8 +58,8 @@ from shared.messages import (
     SamplingParams,
     SubmitReply,
 )
-from shared.metrics import LATENCY_BUCKETS_S, serve_metrics
-from shared.subjects import Subjects
+from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class WorkerService:
         self.cost = CostModel.load(cfg.profile)
         self.engine: SimEngine | VllmEngine | HfEngine | None = None
         self.tok: TextTokenizer | None = None
-        self.refiner = None  # services.worker.refiner.Refiner with --probe-model (hf)
+        self.refiner = None  # prefixmesh.services.worker.refiner.Refiner with --probe-model (hf)
         self.bus: Bus | None = None
         self.live: dict[str, _Live] = {}
         self.kv_seq = 0
@@ -424,7 +424,7 @@ class WorkerService:
                                              self.cfg.tokenizer_path or None)
             engine = HfEngine(HfEngineConfig(), policy, tok)
             if self.cfg.probe_model:  # TRAIL refinement: probe on the engine's hidden states
-                from services.worker.refiner import attach_refiner
+                from prefixmesh.services.worker.refiner import attach_refiner
 
                 self.refiner = await loop.run_in_executor(None, attach_refiner, engine,
                                                           self.cfg.probe_model)
@@ -449,7 +449,7 @@ class WorkerService:
                        if isinstance(self.engine, VllmEngine | HfEngine) else self._engine_loop())
         tasks.spawn(engine_loop, f"worker-{self.worker_id}-engine")
         if self.cfg.http_port:
-            from services.worker.http import serve_http  # aiohttp app, only when asked for
+            from prefixmesh.services.worker.http import serve_http  # aiohttp app, only when asked for
 
             await serve_http(stack, self, self.cfg.http_host, self.cfg.http_port)
         log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,

@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
-from services.up import LocalMesh, MeshOptions
-from shared.bus import Bus
-from shared.messages import BUS_EVENT, RequestDoneEvent
-from shared.subjects import Subjects
+from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import BUS_EVENT, RequestDoneEvent
+from prefixmesh.shared.subjects import Subjects
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

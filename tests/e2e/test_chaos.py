@@ -30,8 +30,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.up import LocalMesh, MeshOptions
-from shared.servers import ManagedProcess, free_port, start_nats, start_redis
+from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.servers import ManagedProcess, free_port, start_nats, start_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh, MeshOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 

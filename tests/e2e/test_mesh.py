@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from openai import OpenAI
 
-from services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh, MeshOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -102,7 +102,7 @@ def test_n_and_multiple_prompts(client: OpenAI) -> None:
 
 
 def test_bench_verb_against_the_mesh(mesh: LocalMesh, tmp_path) -> None:
-    from loadgen.bench import main as bench_main
+    from prefixmesh.loadgen.bench import main as bench_main
 
     out = tmp_path / "bench.json"
     assert bench_main(["--url", mesh.url, "--workload", "toolbench", "--prefixes", "2", "--rate", "8",

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh, MeshOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -240,7 +240,7 @@ def _browser_binaries() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     chromium, driver = _browser_binaries()
-    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium import webdriver  # the [test] extra
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh, MeshOptions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -5,20 +5,19 @@ Skipped where the `peers` extra (sglang-router, vllm-router) is not installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from loadgen.compare import Contender, WorkerGroup, main, start_contender
+from prefixmesh.loadgen.compare import Contender, WorkerGroup, main, start_contender
+from tests.helpers import need
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 MODEL = "smollm2-135m-instruct"
-needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
-                                  reason="sglang-router not installed (pip install '.[peers]')")
+need("peers", "sglang_router")
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,6 @@ def workers(nats_server: str, tmp_path_factory: pytest.TempPathFactory):
         yield group
 
 
-@needs_sglang
 def test_sglang_router_in_front_of_http_workers(workers: WorkerGroup, tmp_path: Path) -> None:
     c = Contender.parse("sglang-cache_aware")
     router = start_contender(c, workers, {}, 1, tmp_path)
@@ -52,7 +50,6 @@ def test_sglang_router_in_front_of_http_workers(workers: WorkerGroup, tmp_path: 
     workers.flush()
 
 
-@needs_sglang
 @pytest.mark.slow
 def test_compare_runner_smoke(nats_server: str, redis_server: str, tmp_path: Path) -> None:
     out = tmp_path / "cmp.json"

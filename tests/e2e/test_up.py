@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from shared.servers import free_port
+from prefixmesh.shared.servers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -33,7 +33,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_up_starts_own_servers_and_leaves_nothing_running(tmp_path, sig) -> None:
     state = tmp_path / "state.json"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--workers", "2", "--port", "0",
+    cmd = [sys.executable, "-m", "prefixmesh.services.cli", "up", "--workers", "2", "--port", "0",
            "--metrics-port", "0", "--nats-url", f"nats://127.0.0.1:{free_port()}",
            "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--log-dir",
            str(tmp_path / "logs"), "--state-file", str(state), "--subject-prefix", "uptest"]
@@ -66,7 +66,7 @@ def test_up_starts_own_servers_and_leaves_nothing_running(tmp_path, sig) -> None
 def test_children_do_not_outlive_a_killed_supervisor(tmp_path) -> None:
     """Even SIGKILL of `prefixmesh up` (no chance to clean up) leaves no service running."""
     state = tmp_path / "state.json"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--workers", "1", "--port", "0",
+    cmd = [sys.executable, "-m", "prefixmesh.services.cli", "up", "--workers", "1", "--port", "0",
            "--metrics-port", "0", "--nats-url", f"nats://127.0.0.1:{free_port()}",
            "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--state-file", str(state),
            "--log-dir", str(tmp_path / "logs")]

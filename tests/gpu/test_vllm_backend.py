@@ -19,11 +19,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("vllm")
 pytest.importorskip("zmq")
 
-from services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
-from services.worker.engine.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
-from services.worker.local import make_local_policy  # noqa: E402
-from shared.blocks import block_hashes  # noqa: E402
-from shared.messages import BlockStored, KvEvent, SamplingParams  # noqa: E402
+from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
+from prefixmesh.services.worker.engine.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
+from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
+from prefixmesh.shared.blocks import block_hashes  # noqa: E402
+from prefixmesh.shared.messages import BlockStored, KvEvent, SamplingParams  # noqa: E402
 from tests.helpers import eventually  # noqa: E402
 
 # vLLM and torch warn about their own internals; those are not ours to turn into errors.

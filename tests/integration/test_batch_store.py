@@ -5,8 +5,8 @@ from __future__ import annotations
 import nats
 import pytest
 
-from services.edge.batch_format import BatchRecord, FileRecord, LineResult
-from services.edge.batch_store import BatchStore
+from prefixmesh.services.edge.batch_format import BatchRecord, FileRecord, LineResult
+from prefixmesh.services.edge.batch_store import BatchStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 

@@ -7,17 +7,17 @@ import asyncio
 
 import pytest
 
-from shared.batching import BatchServer
-from shared.bus import Bus
-from shared.lifecycle import TaskSet
-from shared.messages import (
+from prefixmesh.shared.batching import BatchServer
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.lifecycle import TaskSet
+from prefixmesh.shared.messages import (
     PREDICT_REPLY,
     PREDICT_REQUEST,
     ErrorInfo,
     PredictLengthReply,
     PredictLengthRequest,
 )
-from shared.subjects import Subjects
+from prefixmesh.shared.subjects import Subjects
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 

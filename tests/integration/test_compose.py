@@ -25,7 +25,7 @@ import pytest
 import redis
 import yaml
 
-from shared.servers import ManagedProcess, ServerNotFound, find_binary, free_port, wait_port
+from prefixmesh.shared.servers import ManagedProcess, ServerNotFound, find_binary, free_port, wait_port
 
 pytestmark = pytest.mark.integration
 
@@ -303,7 +303,7 @@ def test_published_services_listen_beyond_loopback(default_model: dict[str, Any]
 
 def test_services_run_their_own_module(default_model: dict[str, Any]) -> None:
     for name in APP_SERVICES:
-        assert default_model["services"][name]["command"] == ["python", "-m", f"services.{name}"]
+        assert default_model["services"][name]["command"] == ["python", "-m", f"prefixmesh.services.{name}"]
 
 
 @pytest.mark.parametrize("name", ["worker", GPU_WORKER])
@@ -380,7 +380,7 @@ def test_service_image_is_slim_python_and_not_root() -> None:
     text = DOCKERFILE.read_text()
     assert "HEALTHCHECK" in text
     assert ".[servers]" in text
-    assert "services.tokenizer.prepare" in text
+    assert "prefixmesh.services.tokenizer.prepare" in text
 
 
 def test_vllm_image_is_pinned_and_runs_the_worker() -> None:
@@ -388,7 +388,7 @@ def test_vllm_image_is_pinned_and_runs_the_worker() -> None:
     assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+\S*", image), f"unpinned base {image}"
     assert final_user(DOCKERFILE_VLLM).split(":")[0] not in ("root", "0")
     text = DOCKERFILE_VLLM.read_text()
-    assert re.search(r'^ENTRYPOINT \["python3", "-m", "services.worker"\]', text, re.MULTILINE)
+    assert re.search(r'^ENTRYPOINT \["python3", "-m", "prefixmesh.services.worker"\]', text, re.MULTILINE)
     assert "PM_BACKEND=vllm" in text
 
 

@@ -7,8 +7,8 @@ import json
 import aiohttp
 import pytest
 
-from services.edge.config import EdgeConfig
-from services.edge.service import EdgeService
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.service import EdgeService
 from tests.helpers import running
 
 pytestmark = pytest.mark.integration

@@ -16,13 +16,13 @@ import time
 import aiohttp
 import pytest
 
-from services.edge.config import EdgeConfig
-from services.edge.service import EdgeService
-from services.scheduler.service import SchedulerConfig, SchedulerService
-from shared.bus import Bus
-from shared.messages import BUS_EVENT, LoadReportEvent
-from shared.servers import ManagedProcess, child_env
-from shared.subjects import Subjects
+from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.service import EdgeService
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import BUS_EVENT, LoadReportEvent
+from prefixmesh.shared.servers import ManagedProcess, child_env
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -55,7 +55,7 @@ async def mesh(nats_server: str, redis_server: str, prefix: str, tmp_path):
         env = child_env(PM_NATS_URL=nats_server, PM_SUBJECT_PREFIX=prefix, PM_WORKER_ID=wid,
                         PM_LOAD_INTERVAL_S=str(LOAD_INTERVAL_S), PM_METRICS_PORT="0",
                         PM_LOG_LEVEL="WARNING")
-        workers[wid] = ManagedProcess(wid, [sys.executable, "-m", "services.worker"], env=env,
+        workers[wid] = ManagedProcess(wid, [sys.executable, "-m", "prefixmesh.services.worker"], env=env,
                                       log_path=tmp_path / f"{wid}.log").start()
     bus = await Bus.connect(nats_server, Subjects(prefix), "failover-test")
     watch = LoadWatch()

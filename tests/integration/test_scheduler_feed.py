@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from services.scheduler.service import SchedulerConfig, SchedulerService
-from shared.blocks import BLOCK_SIZE, block_hashes
-from shared.bus import Bus
-from shared.messages import (
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import (
     ROUTE_REPLY,
     WORKER_REQUEST,
     AllBlocksCleared,
@@ -24,7 +24,7 @@ from shared.messages import (
     RouteRequest,
     SubmitReply,
 )
-from shared.subjects import Subjects
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

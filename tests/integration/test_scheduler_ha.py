@@ -10,17 +10,17 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from services.scheduler.policies import make_policy
-from services.scheduler.policies.base import PolicyConfig
-from services.scheduler.service import SchedulerConfig, SchedulerService
-from services.scheduler.store import StateStore
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
-from shared.blocks import block_hashes
-from shared.bus import Bus, BusUnavailable
-from shared.messages import ROUTE_REPLY, RouteRequest
-from shared.servers import ManagedProcess, child_env, free_port, start_redis
-from shared.subjects import Subjects
+from prefixmesh.services.scheduler.policies import make_policy
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.services.scheduler.store import StateStore
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.bus import Bus, BusUnavailable
+from prefixmesh.shared.messages import ROUTE_REPLY, RouteRequest
+from prefixmesh.shared.servers import ManagedProcess, child_env, free_port, start_redis
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -37,7 +37,7 @@ def _scheduler_process(nats_server, redis_url, prefix, log_path) -> ManagedProce
     env = child_env(PM_NATS_URL=nats_server, PM_REDIS_URL=redis_url, PM_SUBJECT_PREFIX=prefix,
                     PM_REDIS_PREFIX=prefix, PM_LOAD_INTERVAL_S=str(LOAD_INTERVAL_S),
                     PM_PERSIST_INTERVAL_S="0.1", PM_LEASE_TTL_S="1.5", PM_LOG_LEVEL="INFO")
-    return ManagedProcess("scheduler", [sys.executable, "-m", "services.scheduler"], env=env,
+    return ManagedProcess("scheduler", [sys.executable, "-m", "prefixmesh.services.scheduler"], env=env,
                           log_path=log_path).start()
 
 

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.scheduler.service import SchedulerConfig, SchedulerService
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
-from shared.blocks import block_hashes
-from shared.bus import Bus, BusUnavailable
-from shared.messages import (
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.bus import Bus, BusUnavailable
+from prefixmesh.shared.messages import (
     ROUTE_REPLY,
     STREAM_EVENT,
     SUBMIT_REPLY,
@@ -21,7 +21,7 @@ from shared.messages import (
     RouteRequest,
     SamplingParams,
 )
-from shared.subjects import Subjects
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""Incremental write-behind of the policy state to a real Redis (``services.scheduler.store``)."""
+"""Incremental write-behind of the policy state to a real Redis (``prefixmesh.services.scheduler.store``)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from services.scheduler.policies import make_policy
-from services.scheduler.policies.base import PolicyConfig, RouteInput
-from services.scheduler.policies.e2 import E2Policy
-from services.scheduler.store import StateStore, StoreLimits
-from shared.blocks import BLOCK_SIZE, block_hashes
-from shared.costmodel import DEFAULT_PROFILE, CostModel
-from shared.messages import BlockRemoved, RequestDoneEvent
+from prefixmesh.services.scheduler.policies import make_policy
+from prefixmesh.services.scheduler.policies.base import PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.e2 import E2Policy
+from prefixmesh.services.scheduler.store import StateStore, StoreLimits
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.messages import BlockRemoved, RequestDoneEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
-from shared.bus import Bus
-from shared.messages import (
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import (
     STREAM_EVENT,
     SUBMIT_REPLY,
     GenerateChunkEvent,
@@ -18,7 +18,7 @@ from shared.messages import (
     ResumeRequest,
     SamplingParams,
 )
-from shared.subjects import Subjects
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 
 pytestmark = pytest.mark.integration
@@ -69,8 +69,8 @@ async def test_the_edge_recovers_events_it_missed_mid_stream(nats_server: str, p
     """The edge's inbox is gone for a while mid-stream (as in a reconnect window): the next
     chunk shows a gap, the edge asks the worker to resend, and the caller gets every token
     exactly once, in order, then the done event."""
-    from services.edge.pipeline import MeshClient, MeshTimeouts
-    from services.edge.schema import Sampling
+    from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
+    from prefixmesh.services.edge.schema import Sampling
 
     bus = await Bus.connect(nats_server, Subjects(prefix), "edge-resume-test")
     worker = WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix,
@@ -107,8 +107,8 @@ async def test_after_a_reconnect_the_edge_fetches_a_lost_ending(nats_server: str
     """Everything after the first chunk, done event included, was published while the edge
     was not subscribed. Nothing more arrives, so no gap shows; the edge's reconnect (its
     client's reconnect count) is what makes it ask the worker, which resends the rest."""
-    from services.edge.pipeline import MeshClient, MeshTimeouts
-    from services.edge.schema import Sampling
+    from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
+    from prefixmesh.services.edge.schema import Sampling
 
     bus = await Bus.connect(nats_server, Subjects(prefix), "edge-reconnect-test")
     worker = WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.predictor.service import PredictorConfig, PredictorService
-from services.tokenizer.service import TokenizerConfig, TokenizerService
-from shared.bus import Bus
-from shared.messages import (
+from prefixmesh.services.predictor.service import PredictorConfig, PredictorService
+from prefixmesh.services.tokenizer.service import TokenizerConfig, TokenizerService
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import (
     PREDICT_REPLY,
     TOKENIZER_REPLY,
     ChatMessage,
@@ -15,7 +15,7 @@ from shared.messages import (
     PredictLengthRequest,
     TokenizeRequest,
 )
-from shared.subjects import Subjects
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import running
 
 pytestmark = pytest.mark.integration

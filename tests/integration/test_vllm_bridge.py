@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 import msgspec
 import pytest
 
-from services.worker.engine.types import EngineRequest, StepOutput
-from services.worker.engine.vllm_engine import VllmEngine, VllmEngineConfig
-from services.worker.engine.vllm_events import BlockTranslator, encode_seq
-from services.worker.kv_bridge import KvBridge, KvBridgeConfig
-from shared.blocks import block_hashes
-from services.worker.local import make_local_policy
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
+from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput
+from prefixmesh.services.worker.engine.vllm_engine import VllmEngine, VllmEngineConfig
+from prefixmesh.services.worker.engine.vllm_events import BlockTranslator, encode_seq
+from prefixmesh.services.worker.kv_bridge import KvBridge, KvBridgeConfig
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.services.worker.local import make_local_policy
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
 from tests.helpers import eventually
 
-zmq = pytest.importorskip("zmq")
+import zmq  # noqa: E402  (the [test] extra)
 import zmq.asyncio  # noqa: E402
 
 pytestmark = pytest.mark.integration

@@ -9,9 +9,9 @@ import json
 import aiohttp
 import pytest
 
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
-from shared.servers import free_port
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.servers import free_port
 from tests.helpers import eventually, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

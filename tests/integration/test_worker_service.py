@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from services.worker.config import WorkerConfig
-from services.worker.service import WorkerService
-from shared.bus import Bus
-from shared.messages import (
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.messages import (
     BUS_EVENT,
     STREAM_EVENT,
     SUBMIT_REPLY,
@@ -24,7 +24,7 @@ from shared.messages import (
     ResyncRequest,
     SamplingParams,
 )
-from shared.subjects import Subjects
+from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 
 pytestmark = pytest.mark.integration

@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.helpers import need  # noqa: E402
 
-from services.predictor.models import (  # noqa: E402
+need("ml", "torch", "transformers")
+import torch  # noqa: E402
+
+from prefixmesh.services.predictor.models import (  # noqa: E402
     HEAD_HIDDEN,
     PROBE_HIDDEN,
     PredictorArtifact,
@@ -19,7 +21,7 @@ from services.predictor.models import (  # noqa: E402
     predict_proba,
     train_classifier,
 )
-from services.predictor.trail import LengthBins, expected_length  # noqa: E402
+from prefixmesh.services.predictor.trail import LengthBins, expected_length  # noqa: E402
 
 pytestmark = pytest.mark.ml
 
@@ -63,8 +65,8 @@ def test_training_depends_on_the_seed_alone() -> None:
 
 
 def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path) -> None:
-    from services.predictor.trail import STEP_FEATURE_DIM, probe_input
-    from services.worker.refiner import Refiner
+    from prefixmesh.services.predictor.trail import STEP_FEATURE_DIM, probe_input
+    from prefixmesh.services.worker.refiner import Refiner
 
     bins = LengthBins.make(4, 400)
     rng = np.random.default_rng(0)

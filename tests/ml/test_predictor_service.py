@@ -12,16 +12,17 @@ import numpy as np
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.helpers import need  # noqa: E402
 
-from services.predictor.serving import prompt_text  # noqa: E402
-from services.predictor.trail import LengthBins, expected_length  # noqa: E402
-from services.predictor.service import PredictorConfig, PredictorService  # noqa: E402
-from services.tokenizer.text import TextTokenizer  # noqa: E402
-from shared.bus import Bus  # noqa: E402
-from shared.messages import PREDICT_REPLY, ChatMessage, PredictLengthRequest  # noqa: E402
-from shared.subjects import Subjects  # noqa: E402
+need("ml", "torch", "transformers")
+
+from prefixmesh.services.predictor.serving import prompt_text  # noqa: E402
+from prefixmesh.services.predictor.trail import LengthBins, expected_length  # noqa: E402
+from prefixmesh.services.predictor.service import PredictorConfig, PredictorService  # noqa: E402
+from prefixmesh.services.tokenizer.text import TextTokenizer  # noqa: E402
+from prefixmesh.shared.bus import Bus  # noqa: E402
+from prefixmesh.shared.messages import PREDICT_REPLY, ChatMessage, PredictLengthRequest  # noqa: E402
+from prefixmesh.shared.subjects import Subjects  # noqa: E402
 from tests.helpers import running  # noqa: E402
 from tests.ml.tiny_artifact import LONG, SHORT, build  # noqa: E402
 
@@ -125,8 +126,8 @@ async def test_malformed_requests_get_error_replies(bus: Bus, nats_server, prefi
 
 
 def test_static_serving_encoder_matches_the_training_encoder() -> None:
-    from services.predictor.models import PromptEncoder
-    from services.predictor.serving import StaticEncoder
+    from prefixmesh.services.predictor.models import PromptEncoder
+    from prefixmesh.services.predictor.serving import StaticEncoder
 
     enc = PromptEncoder(threads=1, mode="static")
     texts = SHORT[:3] + [LONG[0] * 40, "", "日本語のテキスト"]
@@ -136,7 +137,7 @@ def test_static_serving_encoder_matches_the_training_encoder() -> None:
 
 async def test_edge_asks_the_model_with_the_prompts_token_ids(bus: Bus, nats_server, prefix,
                                                               artifact, tok):
-    from services.edge.pipeline import MeshClient, MeshTimeouts
+    from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
 
     cfg = PredictorConfig(nats_url=nats_server, subject_prefix=prefix, model_dir=str(artifact),
                           length_prior="default=77")

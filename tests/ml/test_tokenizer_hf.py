@@ -18,14 +18,17 @@ from typing import Any
 import pytest
 
 # Skip before touching the marker: "ml" is registered with the [ml] extra's test setup.
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("torch")  # transformers reads GGUF files only with torch installed
+# transformers reads GGUF files only with torch installed.
+from tests.helpers import need  # noqa: E402
+
+need("ml", "torch", "transformers")
+import transformers  # noqa: E402
 
 from tokenizers import Tokenizer, pre_tokenizers  # noqa: E402
 
-from services.tokenizer.gguf_vocab import ensure_default_tokenizer, find_smollm2_gguf  # noqa: E402
-from services.tokenizer.text import TextTokenizer  # noqa: E402
-from shared.messages import ChatMessage  # noqa: E402
+from prefixmesh.services.tokenizer.gguf_vocab import ensure_default_tokenizer, find_smollm2_gguf  # noqa: E402
+from prefixmesh.services.tokenizer.text import TextTokenizer  # noqa: E402
+from prefixmesh.shared.messages import ChatMessage  # noqa: E402
 
 pytestmark = pytest.mark.ml
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.predictor.models import (
+from prefixmesh.services.predictor.models import (
     HEAD_HIDDEN,
     PROBE_HIDDEN,
     PredictorArtifact,
@@ -19,7 +19,7 @@ from services.predictor.models import (
     mlp,
     train_classifier,
 )
-from services.predictor.trail import LengthBins
+from prefixmesh.services.predictor.trail import LengthBins
 
 SHORT = ["Say yes or no: is water wet?", "What is 2+2?", "Reply with one word: hello.",
          "Is the sky blue? Answer yes or no.", "Give me a number between 1 and 9.",

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 import pytest
 
-from loadgen.arrivals import (
+from prefixmesh.loadgen.arrivals import (
     arrival_times,
     azure,
     azure_rate,
@@ -14,7 +14,7 @@ from loadgen.arrivals import (
     bursts,
     poisson,
 )
-from loadgen.data import ENV_VAR, DataMissing, data_file
+from prefixmesh.loadgen.data import ENV_VAR, DataMissing, data_file
 
 pytestmark = pytest.mark.unit
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 import pytest
 
-from services.scheduler.policies import POLICY_NAMES, make_policy
-from services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
-from shared.blocks import BLOCK_SIZE, block_hashes
-from shared.costmodel import DEFAULT_PROFILE, CostModel
-from shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
+from prefixmesh.services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.edge.batch_format import (
+from prefixmesh.services.edge.batch_format import (
     BatchRecord,
     LineResult,
     error_result,
@@ -14,7 +14,7 @@ from services.edge.batch_format import (
     output_line,
     parse_lines,
 )
-from services.edge.schema import ApiError
+from prefixmesh.services.edge.schema import ApiError
 
 pytestmark = pytest.mark.unit
 

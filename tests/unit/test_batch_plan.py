@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shared.batch_plan import (
+from prefixmesh.shared.batch_plan import (
     PrefixGroup,
     PrefixTree,
     computed_tokens,
@@ -19,7 +19,7 @@ from shared.batch_plan import (
     saving_ratio,
     split_group,
 )
-from shared.costmodel import CostModel
+from prefixmesh.shared.costmodel import CostModel
 
 pytestmark = pytest.mark.unit
 

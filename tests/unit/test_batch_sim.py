@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from loadgen.batch_sim import MODES, compare, main
-from loadgen.workloads import build_workload
+from prefixmesh.loadgen.batch_sim import MODES, compare, main
+from prefixmesh.loadgen.workloads import build_workload
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,12 @@
-"""Paged KV blocks and the block-hash prefix cache (services.worker.engine.block_cache)."""
+"""Paged KV blocks and the block-hash prefix cache (prefixmesh.services.worker.engine.block_cache)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.worker.engine.block_cache import BlockCache
-from shared.blocks import block_hashes
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.services.worker.engine.block_cache import BlockCache
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 pytestmark = pytest.mark.unit
 

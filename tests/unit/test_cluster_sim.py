@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from loadgen.cluster_sim import ClusterConfig, ClusterSim
-from loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
-from loadgen.report import load_runs, markdown
-from loadgen.report import main as report_main
-from loadgen.results import RequestResult, summarize
-from loadgen.sweep import main as sim_main
-from loadgen.workloads import WorkloadRequest
-from services.scheduler.policies.base import PolicyConfig
-from services.worker.engine.types import SimEngineConfig
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
+from prefixmesh.loadgen.report import load_runs, markdown
+from prefixmesh.loadgen.report import main as report_main
+from prefixmesh.loadgen.results import RequestResult, summarize
+from prefixmesh.loadgen.sweep import main as sim_main
+from prefixmesh.loadgen.workloads import WorkloadRequest
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.worker.engine.types import SimEngineConfig
 
 pytestmark = pytest.mark.unit
 
@@ -118,7 +118,7 @@ def test_sim_verb_runs_policy_variants_under_their_labels(tmp_path) -> None:
 
 
 def test_local_policy_variants_parse_knobs_into_their_config() -> None:
-    from services.worker.local import SprptConfig
+    from prefixmesh.services.worker.local import SprptConfig
 
     v = parse_local_variant("sprpt_limited:preempt_fraction=0,max_preempt_per_step=2")
     assert v.policy == "sprpt_limited"
@@ -159,7 +159,7 @@ def test_e2_with_rebalancing_off_never_rebalances_a_hot_prefix() -> None:
 
 
 def test_knee_window_and_max_rate_under_an_slo() -> None:
-    from loadgen.knee import knee_report, knee_window, max_rate_under
+    from prefixmesh.loadgen.knee import knee_report, knee_window, max_rate_under
 
     def row(policy: str, rate: float, p99: float, avg: float, failed: int = 0) -> dict:
         return {"policy": policy, "local_policy": "fcfs", "workload": "w", "gpus": 4,
@@ -182,7 +182,7 @@ def test_knee_window_and_max_rate_under_an_slo() -> None:
 
 
 def test_knee_report_combines_seeds_into_means() -> None:
-    from loadgen.knee import knee_report, panels
+    from prefixmesh.loadgen.knee import knee_report, panels
 
     def row(policy: str, rate: float, seed: int, p99: float, avg: float) -> dict:
         return {"policy": policy, "local_policy": "fcfs", "workload": "w", "gpus": 4,
@@ -205,7 +205,7 @@ def test_knee_report_combines_seeds_into_means() -> None:
 def test_knee_cli_keeps_only_the_named_policies(tmp_path, capsys) -> None:
     import json
 
-    from loadgen.knee import main
+    from prefixmesh.loadgen.knee import main
 
     rows = [{"policy": p, "local_policy": "fcfs", "workload": "w", "gpus": 4, "rate": r,
              "latency_p99_s": p99, "latency_avg_s": 1.0, "failed": 0, "cache_hit_ratio": 0.5}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.metrics.cluster import FORGET_AFTER_S, HISTORY_WINDOW_S, ClusterView, percentile
-from services.scheduler.stats import hot_prefixes
-from shared.messages import LoadReportEvent, RequestDoneEvent, SchedulerStatsEvent
-from shared.prefix_tree import PrefixTree
+from prefixmesh.services.metrics.cluster import FORGET_AFTER_S, HISTORY_WINDOW_S, ClusterView, percentile
+from prefixmesh.services.scheduler.stats import hot_prefixes
+from prefixmesh.shared.messages import LoadReportEvent, RequestDoneEvent, SchedulerStatsEvent
+from prefixmesh.shared.prefix_tree import PrefixTree
 
 pytestmark = pytest.mark.unit
 

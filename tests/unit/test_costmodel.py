@@ -2,7 +2,7 @@
 
 import pytest
 
-from shared.costmodel import CostModel, available_profiles
+from prefixmesh.shared.costmodel import CostModel, available_profiles
 
 pytestmark = pytest.mark.unit
 

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
-from services.scheduler.policies.e2 import E2Policy
-from shared.blocks import BLOCK_SIZE, block_hashes
-from shared.costmodel import DEFAULT_PROFILE, CostModel
-from shared.messages import (
+from prefixmesh.services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.e2 import E2Policy
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.messages import (
     AllBlocksCleared,
     BlockRemoved,
     LoadReportEvent,

@@ -1,4 +1,4 @@
-"""Local policies (services.worker.local): registry, fcfs, prefix_fair."""
+"""Local policies (prefixmesh.services.worker.local): registry, fcfs, prefix_fair."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.worker.engine.types import EngineRequest
-from services.worker.local import (
+from prefixmesh.services.worker.engine.types import EngineRequest
+from prefixmesh.services.worker.local import (
     LOCAL_POLICIES,
     CacheProbe,
     FcfsConfig,
@@ -20,7 +20,7 @@ from services.worker.local import (
     make_local_policy,
     prefill_estimate,
 )
-from shared.blocks import block_hashes
+from prefixmesh.shared.blocks import block_hashes
 
 pytestmark = pytest.mark.unit
 

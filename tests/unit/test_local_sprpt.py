@@ -9,17 +9,17 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import EngineRequest, SimEngineConfig
-from services.worker.local import (
+from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import EngineRequest, SimEngineConfig
+from prefixmesh.services.worker.local import (
     LOCAL_POLICIES,
     EngineView,
     SprptConfig,
     SprptPolicy,
     make_local_policy,
 )
-from shared.blocks import block_hashes
-from shared.costmodel import CostModel
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.costmodel import CostModel
 
 pytestmark = pytest.mark.unit
 

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import EngineRequest, SimEngineConfig
-from services.worker.local import LOCAL_POLICIES, SrjfConfig, SrjfPolicy, make_local_policy
-from shared.costmodel import CostModel
+from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import EngineRequest, SimEngineConfig
+from prefixmesh.services.worker.local import LOCAL_POLICIES, SrjfConfig, SrjfPolicy, make_local_policy
+from prefixmesh.shared.costmodel import CostModel
 
 pytestmark = pytest.mark.unit
 

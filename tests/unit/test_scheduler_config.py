@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.__main__ import parse
-from services.scheduler.policies.base import PolicyConfig
-from services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.services.scheduler.__main__ import parse
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
 
 pytestmark = pytest.mark.unit
 

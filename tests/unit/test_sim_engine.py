@@ -1,4 +1,4 @@
-"""The simulated GPU engine (services.worker.engine.sim): vLLM-like behaviour in virtual time."""
+"""The simulated GPU engine (prefixmesh.services.worker.engine.sim): vLLM-like behaviour in virtual time."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import zlib
 
 import pytest
 
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import (
+from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import (
     DEFAULT_OUTPUT_TOKEN_POOL,
     EngineRequest,
     SimEngineConfig,
     StepOutput,
     StepPlan,
 )
-from services.worker.local import FcfsPolicy, PrefixFairPolicy
-from shared.blocks import block_hashes
-from shared.costmodel import CostModel
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.services.worker.local import FcfsPolicy, PrefixFairPolicy
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.soak import capacity, growth, metric_sum, warmup_end
+from prefixmesh.services.soak import capacity, growth, metric_sum, warmup_end
 
 pytestmark = pytest.mark.unit
 

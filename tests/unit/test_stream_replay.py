@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.worker.replay import FinishedJournals, StreamJournal
-from shared.messages import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
+from prefixmesh.services.worker.replay import FinishedJournals, StreamJournal
+from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from shared.config import CommonConfig, add_arguments, from_sources, option
-from shared.subjects import Subjects
+from prefixmesh.shared.config import CommonConfig, add_arguments, from_sources, option
+from prefixmesh.shared.subjects import Subjects
 
 pytestmark = pytest.mark.unit
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.results import RequestResult, send_lag, summarize, to_model_time
-from services.scheduler.service import SchedulerConfig, SchedulerService
-from services.worker.engine.pacing import Pacer
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import EngineRequest
-from shared.costmodel import CostModel
+from prefixmesh.loadgen.results import RequestResult, send_lag, summarize, to_model_time
+from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
+from prefixmesh.services.worker.engine.pacing import Pacer
+from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import EngineRequest
+from prefixmesh.shared.costmodel import CostModel
 
 pytestmark = pytest.mark.unit
 
@@ -82,7 +82,7 @@ def test_time_scale_must_be_positive(scale: float) -> None:
 
 
 def test_scheduler_policy_clock_is_model_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.scheduler.service as svc
+    import prefixmesh.services.scheduler.service as svc
 
     monkeypatch.setattr(svc.time, "monotonic", lambda: 80.0)
     assert SchedulerService(SchedulerConfig(time_scale=8.0)).policy_now() == 10.0

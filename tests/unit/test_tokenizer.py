@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.tokenizer import gguf_vocab, prepare
-from services.tokenizer.gguf_vocab import (
+from prefixmesh.services.tokenizer import gguf_vocab, prepare
+from prefixmesh.services.tokenizer.gguf_vocab import (
     BUILDER_VERSION,
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -18,15 +18,15 @@ from services.tokenizer.gguf_vocab import (
     find_smollm2_gguf,
     is_cache_fresh,
 )
-from services.tokenizer.logic import handle
-from services.tokenizer.text import (
+from prefixmesh.services.tokenizer.logic import handle
+from prefixmesh.services.tokenizer.text import (
     REPLACEMENT_CHAR,
     SMOLLM2_CHAT_TEMPLATE,
     SMOLLM2_DEFAULT_SYSTEM_PROMPT,
     IncrementalDetokenizer,
     TextTokenizer,
 )
-from shared.messages import (
+from prefixmesh.shared.messages import (
     ChatMessage,
     DetokenizeReply,
     DetokenizeRequest,

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-import loadgen.workloads.sharegpt as sharegpt
-from loadgen.cluster_sim import ClusterConfig, ClusterSim
-from loadgen.trail_preds import Refiner, RequestPredictions, TrailPredictions, trail_requests
-from loadgen.workloads import WorkloadRequest
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import EngineRequest
+import prefixmesh.loadgen.workloads.sharegpt as sharegpt
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.trail_preds import Refiner, RequestPredictions, TrailPredictions, trail_requests
+from prefixmesh.loadgen.workloads import WorkloadRequest
+from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import EngineRequest
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from services.worker.engine.vllm_events import (
+from prefixmesh.services.worker.engine.vllm_events import (
     BlockTranslator,
     SeqGap,
     SeqTracker,
@@ -24,8 +24,8 @@ from services.worker.engine.vllm_events import (
     decode_seq,
     encode_seq,
 )
-from shared.blocks import block_hashes, tenant_salt
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixmesh.shared.blocks import block_hashes, tenant_salt
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.unit
 
@@ -321,9 +321,9 @@ def test_snapshot_rebuilds_the_cache_parents_first() -> None:
 
 
 def test_backend_vllm_without_vllm_fails_clearly() -> None:
-    from services.worker.config import WorkerConfig
-    from services.worker.engine.vllm_engine import missing_dependencies
-    from services.worker.service import WorkerService
+    from prefixmesh.services.worker.config import WorkerConfig
+    from prefixmesh.services.worker.engine.vllm_engine import missing_dependencies
+    from prefixmesh.services.worker.service import WorkerService
 
     if missing_dependencies() is None:
         pytest.skip("vllm is installed here")

@@ -8,9 +8,9 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from loadgen.stats import main as stats_main
-from loadgen.stats import workload_stats
-from loadgen.workloads import (
+from prefixmesh.loadgen.stats import main as stats_main
+from prefixmesh.loadgen.stats import workload_stats
+from prefixmesh.loadgen.workloads import (
     WORKLOADS,
     WorkloadRequest,
     build_mix,
@@ -20,10 +20,10 @@ from loadgen.workloads import (
     toolbench_text,
     zipf_weights,
 )
-from loadgen.workloads.base import VOCAB_SIZE, rescale_lengths
-from loadgen.workloads.registry import mix_counts
-from loadgen.workloads.sources import loogle_documents, nextqa_data
-from loadgen.workloads.videoqa import video_tokens
+from prefixmesh.loadgen.workloads.base import VOCAB_SIZE, rescale_lengths
+from prefixmesh.loadgen.workloads.registry import mix_counts
+from prefixmesh.loadgen.workloads.sources import loogle_documents, nextqa_data
+from prefixmesh.loadgen.workloads.videoqa import video_tokens
 
 pytestmark = pytest.mark.unit
 
@@ -229,7 +229,7 @@ def test_toolbench_text_for_the_demo() -> None:
 def test_agents_option_reaches_embodied_from_the_cli_spec() -> None:
     import argparse
 
-    from loadgen.options import WorkloadSpec, add_workload_args
+    from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
 
     p = argparse.ArgumentParser()
     add_workload_args(p)

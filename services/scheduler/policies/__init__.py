@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.scheduler.policies.base import GlobalPolicy, PolicyConfig
-from services.scheduler.policies.baselines import (
+from prefixmesh.services.scheduler.policies.base import GlobalPolicy, PolicyConfig
+from prefixmesh.services.scheduler.policies.baselines import (
     CacheAwarePolicy,
     KvCostPolicy,
     LeastLoadPolicy,
@@ -13,8 +13,8 @@ from services.scheduler.policies.baselines import (
     RoundRobinPolicy,
     WeightedPolicy,
 )
-from services.scheduler.policies.e2 import E2Policy
-from shared.costmodel import CostModel
+from prefixmesh.services.scheduler.policies.e2 import E2Policy
+from prefixmesh.shared.costmodel import CostModel
 
 _FACTORIES: dict[str, Callable[[PolicyConfig, CostModel], GlobalPolicy]] = {
     "e2": E2Policy,

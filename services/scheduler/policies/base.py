@@ -13,8 +13,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
-from shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
-from shared.prefix_tree import Node
+from prefixmesh.shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.prefix_tree import Node
 
 
 class NoWorkerError(RuntimeError):

@@ -9,14 +9,14 @@ from __future__ import annotations
 import bisect
 import hashlib
 
-from services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
-from services.scheduler.policies.baselines_cache import (
+from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.baselines_cache import (
     CacheAwarePolicy,
     KvCostPolicy,
     WeightedPolicy,
 )
-from services.scheduler.policies.tracking import BaselinePolicy
-from shared.costmodel import CostModel
+from prefixmesh.services.scheduler.policies.tracking import BaselinePolicy
+from prefixmesh.shared.costmodel import CostModel
 
 __all__ = [
     "CacheAwarePolicy",

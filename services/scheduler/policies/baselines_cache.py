@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import random
 
-from services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
-from services.scheduler.policies.tracking import GPU_MEDIA, BaselinePolicy
-from shared.costmodel import CostModel
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from shared.prefix_tree import Node
+from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.tracking import GPU_MEDIA, BaselinePolicy
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.prefix_tree import Node
 
 # Scores closer than this are ties (broken at random, as the peers do).
 _TIE_EPS = 1e-9

@@ -16,7 +16,7 @@ chunked prefill step by step. So:
 
 from __future__ import annotations
 
-from shared.costmodel import CostModel
+from prefixmesh.shared.costmodel import CostModel
 
 # Context bucket of the DT table (tokens); below one bucket DT is tabulated per block.
 DT_BUCKET_TOKENS = 1024

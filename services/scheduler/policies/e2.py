@@ -25,21 +25,21 @@ import math
 from collections.abc import Callable, Collection, Mapping
 from operator import attrgetter
 
-from services.scheduler.policies import e2_state
-from services.scheduler.policies.base import (
+from prefixmesh.services.scheduler.policies import e2_state
+from prefixmesh.services.scheduler.policies.base import (
     Changes,
     Decision,
     NoWorkerError,
     PolicyConfig,
     RouteInput,
 )
-from services.scheduler.policies.costs import CostTables
-from services.scheduler.policies.e2_cost import LoadCost
-from services.scheduler.policies.e2_load import LoadWindow, WorkerState
-from services.scheduler.policies.e2_replicate import Replicator
-from services.scheduler.policies.tracking import GPU_MEDIA
-from shared.costmodel import CostModel
-from shared.messages import (
+from prefixmesh.services.scheduler.policies.costs import CostTables
+from prefixmesh.services.scheduler.policies.e2_cost import LoadCost
+from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, WorkerState
+from prefixmesh.services.scheduler.policies.e2_replicate import Replicator
+from prefixmesh.services.scheduler.policies.tracking import GPU_MEDIA
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.messages import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -47,7 +47,7 @@ from shared.messages import (
     LoadReportEvent,
     RequestDoneEvent,
 )
-from shared.prefix_tree import Node, PrefixTree
+from prefixmesh.shared.prefix_tree import Node, PrefixTree
 
 _LOAD = attrgetter("L")
 

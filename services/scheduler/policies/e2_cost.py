@@ -23,9 +23,9 @@
 
 from __future__ import annotations
 
-from services.scheduler.policies.costs import CostTables
-from services.scheduler.policies.e2_load import WorkerState
-from shared.prefix_tree import Node, PrefixTree
+from prefixmesh.services.scheduler.policies.costs import CostTables
+from prefixmesh.services.scheduler.policies.e2_load import WorkerState
+from prefixmesh.shared.prefix_tree import Node, PrefixTree
 
 
 class LoadCost:

@@ -13,9 +13,9 @@ from collections import deque
 
 import msgspec
 
-from services.scheduler.policies.costs import CostTables
-from shared.messages import RequestDoneEvent
-from shared.prefix_tree import Node, PrefixTree
+from prefixmesh.services.scheduler.policies.costs import CostTables
+from prefixmesh.shared.messages import RequestDoneEvent
+from prefixmesh.shared.prefix_tree import Node, PrefixTree
 
 # Completion records whose output counts towards the windowed average output length.
 _FINISHED = frozenset({"stop", "length"})

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from services.scheduler.policies.base import PolicyConfig
-from services.scheduler.policies.e2_load import WorkerState
-from shared.prefix_tree import Node, PrefixTree
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.policies.e2_load import WorkerState
+from prefixmesh.shared.prefix_tree import Node, PrefixTree
 
 
 class Replica:

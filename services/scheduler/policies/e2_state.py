@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.scheduler.policies.e2_load import WindowEntry, WorkerState
-from services.scheduler.policies.e2_replicate import Replica
-from shared.prefix_tree import Node, TreeState
+from prefixmesh.services.scheduler.policies.e2_load import WindowEntry, WorkerState
+from prefixmesh.services.scheduler.policies.e2_replicate import Replica
+from prefixmesh.shared.prefix_tree import Node, TreeState
 
 if TYPE_CHECKING:
-    from services.scheduler.policies.e2 import E2Policy
+    from prefixmesh.services.scheduler.policies.e2 import E2Policy
 
 VERSION = 1
 _NONE = -2  # node reference meaning "no node"
@@ -150,7 +150,7 @@ def rebase(policy: E2Policy, now: float) -> None:
 
 
 # --------------------------------------------------------------------------- incremental
-# The scheduler service persists E2 a piece at a time (``services.scheduler.store``): tree
+# The scheduler service persists E2 a piece at a time (``prefixmesh.services.scheduler.store``): tree
 # nodes by id (``PrefixTree.node_record``), the window as an append-only log of segments
 # (new entries, corrected entries, completions), and a small meta record (workers, replica
 # sets). Times are in the writer's epoch (``offset`` added: wall-clock seconds), so a

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from services.scheduler.policies.base import Changes, NoWorkerError, PolicyConfig, RouteInput
-from shared.costmodel import CostModel
-from shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
-from shared.prefix_tree import Node, PrefixTree, TreeState
+from prefixmesh.services.scheduler.policies.base import Changes, NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.prefix_tree import Node, PrefixTree, TreeState
 
 VERSION = 1
 # KV events about these media concern the GPU prefix cache routers care about (vLLM marks

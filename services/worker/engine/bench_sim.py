@@ -1,7 +1,7 @@
 """Micro-benchmark: simulated engine steps per second of wall time, decode-heavy.
 
 Not a test (DESIGN.md s.11 / STYLE habit 11): run on purpose,
-``python -m services.worker.engine.bench_sim [--json OUT]``. Keeps ``--running`` requests
+``python -m prefixmesh.services.worker.engine.bench_sim [--json OUT]``. Keeps ``--running`` requests
 in decode (long outputs, refilled as they finish) and times plan_step + finish_step.
 By default ``finish_step`` runs as the cluster simulator calls it (outputs of finished
 requests only); ``--all-outputs`` times the live worker's mode (an output per running
@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.worker.engine.sim import SimEngine
-from services.worker.engine.types import EngineRequest
-from shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import EngineRequest
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 
 DEFAULT_RUNNING = 64
 DEFAULT_STEPS = 20_000

@@ -2,7 +2,7 @@
 
 A physical block holds ``block_size`` tokens of KV. Each block has a reference count (the
 running requests whose block table holds it). A full block of computed tokens is
-registered under its prefixmesh block hash (shared.blocks: a chain hash naming the whole
+registered under its prefixmesh block hash (prefixmesh.shared.blocks: a chain hash naming the whole
 prefix), so a later request with the same prefix reuses it instead of recomputing.
 
 Unreferenced blocks stay cached until their memory is needed, then are evicted least
@@ -17,7 +17,7 @@ evictable before its parent, and hits touch parents together with children. Dupl
 never cached: a request that completes a block whose hash is already cached swaps its own
 block for the cached one (vLLM V0 did the same).
 
-Every change is queued as a KV event in vLLM's schema (shared.messages), in order;
+Every change is queued as a KV event in vLLM's schema (prefixmesh.shared.messages), in order;
 evictions between two other events are merged into one BlockRemoved.
 """
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from shared.blocks import chain_runs
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.blocks import chain_runs
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 class BlockCache:

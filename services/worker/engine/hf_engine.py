@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
-from services.worker.engine.block_cache import BlockCache
-from services.worker.engine.hf_model import KvPool, load_model
-from services.worker.engine.types import (
+from prefixmesh.services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
+from prefixmesh.services.worker.engine.block_cache import BlockCache
+from prefixmesh.services.worker.engine.hf_model import KvPool, load_model
+from prefixmesh.services.worker.engine.types import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -44,10 +44,10 @@ from services.worker.engine.types import (
     RequestStatus,
     StepOutput,
 )
-from services.worker.engine.window import SlidingSums, engine_stats
-from services.worker.local.base import LocalPolicy
-from shared.blocks import BLOCK_SIZE, block_hashes
-from shared.messages import KvEvent, SamplingParams
+from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
+from prefixmesh.services.worker.local.base import LocalPolicy
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.messages import KvEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ class HfEngine:
                 from transformers import DynamicCache
 
                 seq.past = DynamicCache(config=self.model.config)
-            out = self.model(input_ids=ids, past_key_values=seq.past, use_cache=True,
+            out = self.model(input_ids=ids, cache=seq.past, use_cache=True,
                              logits_to_keep=1, output_hidden_states=layer is not None)
             token = self._sample(out.logits[0, -1], seq) if sample else None
             hidden = (out.hidden_states[layer][0, -1].numpy().copy()

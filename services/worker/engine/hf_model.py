@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from services.tokenizer.gguf_vocab import CACHE_ENV, DEFAULT_CACHE_DIR, find_smollm2_gguf
+from prefixmesh.services.tokenizer.gguf_vocab import CACHE_ENV, DEFAULT_CACHE_DIR, find_smollm2_gguf
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import zlib
 from collections.abc import Sequence
 from itertools import islice
 
-from services.worker.engine.block_cache import BlockCache
-from services.worker.engine.types import (
+from prefixmesh.services.worker.engine.block_cache import BlockCache
+from prefixmesh.services.worker.engine.types import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -41,12 +41,12 @@ from services.worker.engine.types import (
     StepOutput,
     StepPlan,
 )
-from services.worker.engine.window import SlidingSums, engine_stats
-from services.worker.local.base import LocalPolicy
-from services.worker.local.fcfs import FcfsPolicy
-from shared.blocks import block_hashes
-from shared.costmodel import CostModel
-from shared.messages import KvEvent
+from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
+from prefixmesh.services.worker.local.base import LocalPolicy
+from prefixmesh.services.worker.local.fcfs import FcfsPolicy
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.messages import KvEvent
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared.blocks import BLOCK_SIZE, extend_hashes, tenant_salt
-from shared.messages import LengthDistribution
+from prefixmesh.shared.blocks import BLOCK_SIZE, extend_hashes, tenant_salt
+from prefixmesh.shared.messages import LengthDistribution
 
 DEFAULT_STATS_WINDOW_S = 5.0
 # Ordinary token ids (clear of BOS/EOS and other special ids) that sim outputs cycle through.
@@ -49,7 +49,7 @@ class EngineRequest:
     # else the workload's hint, else sampled); 0 = unknown -> max_tokens.
     output_len: int = 0
     tenant: str = ""
-    # prefixmesh block hashes of the prompt's full blocks (shared.blocks, engine block
+    # prefixmesh block hashes of the prompt's full blocks (prefixmesh.shared.blocks, engine block
     # size, tenant-salted); empty -> computed by the engine on add(). The engine extends
     # the chain over blocks of generated tokens as it caches them.
     block_hashes: list[int] = field(default_factory=list)

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.worker.engine.types import (
+from prefixmesh.services.worker.engine.types import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -37,12 +37,12 @@ from services.worker.engine.types import (
     RequestStatus,
     StepOutput,
 )
-from services.worker.engine.vllm_events import BlockTranslator
-from services.worker.engine.window import SlidingSums, engine_stats
-from services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBridgeConfig, PublishKv
-from services.worker.local.base import LocalPolicy
-from shared.blocks import BLOCK_SIZE, block_hashes
-from shared.messages import KvEvent, SamplingParams
+from prefixmesh.services.worker.engine.vllm_events import BlockTranslator
+from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
+from prefixmesh.services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBridgeConfig, PublishKv
+from prefixmesh.services.worker.local.base import LocalPolicy
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.messages import KvEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 

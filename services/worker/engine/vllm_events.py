@@ -22,7 +22,7 @@ shape below is accepted (``decode_batch``), and fields added later are ignored:
   ``{"type": "BlockStored", "block_hashes": [...], ...}``; the outer batch stays an array in
   some releases (0.26: ``[ts, [{...}], 0]``) and is a map on current main.
 
-prefixmesh's scheduler keys its prefix tree by prefixmesh block hashes (``shared.blocks``:
+prefixmesh's scheduler keys its prefix tree by prefixmesh block hashes (``prefixmesh.shared.blocks``:
 16-token blocks, tenant-salted chain) that the edge computes from token ids before any
 engine has seen the request; vLLM's hashes are its own (different function, extra keys,
 block size) and cannot be computed at the edge. So ``BlockTranslator`` re-hashes: a
@@ -44,8 +44,8 @@ from typing import Any
 
 import msgspec
 
-from shared.blocks import BLOCK_SIZE, chain_runs, extend_hashes, tenant_salt
-from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.blocks import BLOCK_SIZE, chain_runs, extend_hashes, tenant_salt
+from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 # vLLM's ExternalBlockHash.
 VllmHash = int | bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from services.worker.engine.types import EngineRequest, EngineStats
+from prefixmesh.services.worker.engine.types import EngineRequest, EngineStats
 
 
 class SlidingSums:

@@ -5,7 +5,7 @@ Build one by name with ``make_local_policy``; DESIGN.md section 6 lists the poli
 
 from __future__ import annotations
 
-from services.worker.local.base import (
+from prefixmesh.services.worker.local.base import (
     CacheProbe,
     EngineView,
     LocalPolicy,
@@ -13,11 +13,11 @@ from services.worker.local.base import (
     prefill_estimate,
     tokens_to_prefill,
 )
-from services.worker.local.batch_groups import BatchGroupsConfig, BatchGroupsPolicy
-from services.worker.local.fcfs import FcfsConfig, FcfsPolicy
-from services.worker.local.prefix_fair import PrefixFairConfig, PrefixFairPolicy
-from services.worker.local.sprpt import SprptConfig, SprptPolicy
-from services.worker.local.srjf import SrjfConfig, SrjfPolicy
+from prefixmesh.services.worker.local.batch_groups import BatchGroupsConfig, BatchGroupsPolicy
+from prefixmesh.services.worker.local.fcfs import FcfsConfig, FcfsPolicy
+from prefixmesh.services.worker.local.prefix_fair import PrefixFairConfig, PrefixFairPolicy
+from prefixmesh.services.worker.local.sprpt import SprptConfig, SprptPolicy
+from prefixmesh.services.worker.local.srjf import SrjfConfig, SrjfPolicy
 
 # Each policy by name, in DESIGN.md section 6's order: its class and its config type.
 _POLICIES: dict[str, tuple[type[LocalPolicy], type]] = {

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import Protocol, runtime_checkable
 
-from services.worker.engine.types import EngineRequest
+from prefixmesh.services.worker.engine.types import EngineRequest
 
 
 @runtime_checkable

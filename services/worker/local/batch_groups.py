@@ -37,8 +37,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from services.worker.engine.types import EngineRequest, RequestStatus
-from services.worker.local.base import EngineView, LocalPolicy, WaitingQueue, prefill_estimate
+from prefixmesh.services.worker.engine.types import EngineRequest, RequestStatus
+from prefixmesh.services.worker.local.base import EngineView, LocalPolicy, WaitingQueue, prefill_estimate
 
 # BatchLLM's M_threshold: share of the KV pool batch admissions may fill (fraction); the
 # rest is headroom for interactive requests and for the decode growth of running ones.

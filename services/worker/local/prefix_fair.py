@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
-from services.worker.engine.types import EngineRequest
-from services.worker.local.base import CacheProbe, QueuedPolicy, tokens_to_prefill
+from prefixmesh.services.worker.engine.types import EngineRequest
+from prefixmesh.services.worker.local.base import CacheProbe, QueuedPolicy, tokens_to_prefill
 
 DEFAULT_NUM_GROUPS = 10  # Preble's P
 # Oldest waiting requests re-binned per select: caps per-step probing at this many prefix

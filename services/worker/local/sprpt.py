@@ -30,8 +30,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count
 
-from services.worker.engine.types import EngineRequest
-from services.worker.local.base import EngineView, LocalPolicy, prefill_estimate
+from prefixmesh.services.worker.engine.types import EngineRequest
+from prefixmesh.services.worker.local.base import EngineView, LocalPolicy, prefill_estimate
 
 # TRAIL's c: the preemptable window is the first floor(c * r) output tokens.
 DEFAULT_PREEMPT_FRACTION = 0.8
