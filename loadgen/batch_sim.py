@@ -4,7 +4,7 @@ The same requests (``batch`` workload: documents shared by groups of prompts) ar
 three ways on ``gpus`` simulated GPUs, all submitted at t = 0, and the batch completion
 time (first submission to last completion, virtual seconds) is compared:
 
-- ``planned``: the batch planner (``prefixmesh.shared.batch_plan``: enlarged first-level prefix
+- ``planned``: the batch planner (``prefixmesh.services.edge.batch_plan``: enlarged first-level prefix
   groups, ordered, placed on workers by E2's cost model) decides each request's worker and
   the submission order; workers run ``batch_groups`` (requests keep their ``batch_id``);
 - ``e2_prefix_fair``: ordinary traffic (no ``batch_id``) under E2 + ``prefix_fair``;
@@ -29,7 +29,7 @@ from pathlib import Path
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
 from prefixmesh.loadgen.workloads import WorkloadRequest, build_workload
 from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
-from prefixmesh.shared.batch_plan import BatchPlan, plan_batch
+from prefixmesh.services.edge.batch_plan import BatchPlan, plan_batch
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 
 

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixmesh bench",
         description="Open-loop load (streaming, measuring TTFT) against an OpenAI-compatible "
-        "/v1/completions endpoint; results in the schema of DESIGN.md section 11.")
+        "/v1/completions endpoint; results in the schema of docs/design.md section 11.")
     p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     add_workload_args(p)
     p.add_argument("--rate", type=float, required=True, help="mean request rate (req/s)")

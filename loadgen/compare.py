@@ -17,7 +17,7 @@ that noise from other load on the machine spreads over all of them):
 5. the contender is stopped (SIGTERM by PID, then SIGKILL).
 
 Every process is started and stopped here, by PID; logs go to ``OUT_DIR/logs``. Result
-rows follow DESIGN.md section 11 with ``policy`` = contender name; the JSON also carries
+rows follow docs/design.md section 11 with ``policy`` = contender name; the JSON also carries
 ``overhead`` rows and ``meta`` (versions, command line).
 
 ``--time-scale K`` runs the simulated GPUs K times slower than the modelled hardware (the
@@ -59,7 +59,7 @@ from prefixmesh.loadgen.guidellm_client import run_guidellm
 from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
 from prefixmesh.loadgen.report import markdown, plot
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
+from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
 
 ROUTERS = {
     # family -> (policies it ships, argv prefix)

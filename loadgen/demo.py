@@ -17,7 +17,7 @@ from prefixmesh.loadgen.client import run_open_loop
 from prefixmesh.loadgen.results import summarize
 from prefixmesh.loadgen.workloads import toolbench_text
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.servers import free_port
+from prefixmesh.shared.runtime.servers import free_port
 
 MODEL = "smollm2-135m-instruct"
 PROFILE = "mistral-7b-a6000"

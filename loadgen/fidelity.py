@@ -3,7 +3,7 @@
 Starts the mesh (``LocalMesh``: own NATS/Redis, sim workers), replays a seeded workload
 with ``prefixmesh bench``'s client, then runs ``prefixmesh sim``'s simulator on the very
 same requests and arrival times, and reports both rows and the ratio of average latency.
-DESIGN.md section 8 asks for agreement within 10%.
+docs/design.md section 8 describes the simulator it checks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
 from prefixmesh.loadgen.sweep import simulate
 from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
-from prefixmesh.shared.servers import free_port
+from prefixmesh.shared.runtime.servers import free_port
 
 
 def run_fidelity(spec: WorkloadSpec, workers: int, rate: float, duration_s: float,

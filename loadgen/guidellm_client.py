@@ -25,7 +25,7 @@ from typing import Any
 from prefixmesh.loadgen.options import WorkloadSpec
 from prefixmesh.loadgen.results import to_model_time
 from prefixmesh.loadgen.text_prompts import as_text
-from prefixmesh.services.tokenizer.gguf_vocab import ensure_default_tokenizer
+from prefixmesh.shared.text.gguf_vocab import ensure_default_tokenizer
 
 # Seconds guidellm may run beyond the arrivals (drain, start-up).
 GUIDELLM_SLACK_S = 300.0
@@ -81,7 +81,7 @@ def _stat(metric: dict[str, Any], key: str, scale: float = 1.0) -> float:
 
 
 def row_from_report(bench: dict[str, Any], labels: dict[str, Any]) -> dict[str, Any]:
-    """A DESIGN.md s.11 row (wall seconds) from one benchmark of a guidellm JSON report."""
+    """A docs/design.md section 11 row (wall seconds) from one benchmark of a guidellm JSON report."""
     m = bench["metrics"]
     totals = m["request_totals"]
     ok: Sequence[dict[str, Any]] = bench["requests"].get("successful") or []
@@ -98,7 +98,7 @@ def row_from_report(bench: dict[str, Any], labels: dict[str, Any]) -> dict[str, 
         "latency_p90_s": _stat(lat, "p90"), "latency_p99_s": _stat(lat, "p99"),
         "ttft_avg_s": _stat(ttft, "mean", 1e-3), "ttft_p99_s": _stat(ttft, "p99", 1e-3),
         # guidellm's inter-token latency is (latency - TTFT) / (output tokens - 1): the
-        # TPOT of DESIGN.md s.11 (its own "TPOT" divides the whole latency).
+        # TPOT of docs/design.md section 11 (its own "TPOT" divides the whole latency).
         "tpot_avg_s": _stat(m["inter_token_latency_ms"], "mean", 1e-3),
         "throughput_rps": totals["successful"] / bench["duration"] if bench["duration"] else 0.0,
         "cache_hit_ratio": cached / prompt if prompt else 0.0,

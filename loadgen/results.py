@@ -1,4 +1,4 @@
-"""Per-request results and the run summary in the result schema of DESIGN.md section 11."""
+"""Per-request results and the run summary in the result schema of docs/design.md section 11."""
 
 from __future__ import annotations
 

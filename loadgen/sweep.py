@@ -22,7 +22,7 @@ from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
 def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
              workload: str, rate: float, label: str | None = None,
              local_label: str | None = None) -> dict:
-    """One simulated run, as a result row (DESIGN.md s.11) plus simulator figures.
+    """One simulated run, as a result row (docs/design.md section 11) plus simulator figures.
 
     ``label`` / ``local_label`` name the policies in the row (variants with knobs); default
     ``cfg.policy`` / ``cfg.local_policy``.

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from prefixmesh.loadgen.workloads import WorkloadRequest
-from prefixmesh.services.tokenizer.text import TextTokenizer
+from prefixmesh.shared.text.tokenizer import TextTokenizer
 
 
 def as_text(requests: Sequence[WorkloadRequest],

@@ -137,16 +137,16 @@ def _compare(argv: list[str]) -> int:
 
 def _bench_scheduler(argv: list[str]) -> int:
     if "--live" in argv:
-        from prefixmesh.services.scheduler.bench_live import main as live_main
+        from prefixmesh.loadgen.bench_scheduler_live import main as live_main
 
         return live_main([a for a in argv if a != "--live"])
-    from prefixmesh.services.scheduler.bench import main as bench_main
+    from prefixmesh.loadgen.bench_scheduler import main as bench_main
 
     return bench_main(argv)
 
 
 def _predictor(argv: list[str]) -> int:
-    from prefixmesh.services.predictor.train import main as predictor_main
+    from prefixmesh.loadgen.predictor.train import main as predictor_main
 
     return predictor_main(argv)
 

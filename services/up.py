@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from prefixmesh.shared.servers import (
+from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
     free_port,

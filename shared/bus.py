@@ -1,6 +1,6 @@
 """A small typed wrapper over nats-py: request/reply, publish, subscribe, queue groups.
 
-Messages are msgspec Structs (``prefixmesh.shared.messages``); every call names the decoder of the
+Messages are msgspec Structs (``prefixmesh.shared.wire``); every call names the decoder of the
 subject's union so malformed payloads are rejected at the boundary, not deep inside a
 handler. Handlers run on nats-py's per-subscription task, one message at a time, which
 keeps a subscriber's state updates ordered; a handler that wants concurrency spawns into a
@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from prefixmesh.shared.messages import encode
+from prefixmesh.shared.wire import encode
 from prefixmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)

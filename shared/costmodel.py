@@ -1,4 +1,4 @@
-"""GPU step-time cost model from per-profile fits (Preble's measurements, DESIGN.md s.9).
+"""GPU step-time cost model from per-profile fits (Preble's measurements, docs/design.md section 9).
 
 A profile is a JSON file in ``shared/profiles``. Two shapes exist:
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefixmesh.shared.servers import start_nats, start_redis
+from prefixmesh.shared.runtime.servers import start_nats, start_redis
 from tests.helpers import REQUIRE_EXTRAS_ENV
 
 

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from prefixmesh.shared.lifecycle import Service, run_service
+from prefixmesh.shared.runtime.lifecycle import Service, run_service
 
 START_TIMEOUT_S = 30.0
 # Set by ``pytest --require-extras`` (tests/conftest.py; ``make test`` passes it).

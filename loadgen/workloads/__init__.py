@@ -1,6 +1,6 @@
 """Workloads built from real data: token-id prompts with the sharing structure of the papers.
 
-One module per workload (DESIGN.md section 10), the real data sets in ``sources`` (read
+One module per workload (docs/design.md section 10), the real data sets in ``sources`` (read
 and tokenized once per process), shared helpers in ``base``, names and mixes in
 ``registry``. Use::
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from itertools import accumulate
 
-from prefixmesh.services.tokenizer.text import IM_END, IM_START, TextTokenizer
+from prefixmesh.shared.text.tokenizer import IM_END, IM_START, TextTokenizer
 
 # SmolLM2's vocabulary: 49,152 ids, the first 17 of them special tokens.
 VOCAB_SIZE = 49_152

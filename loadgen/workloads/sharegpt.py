@@ -27,7 +27,7 @@ from prefixmesh.loadgen.workloads.base import (
     stable_seed,
 )
 from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
-from prefixmesh.services.tokenizer.text import SMOLLM2_DEFAULT_SYSTEM_PROMPT
+from prefixmesh.shared.text.tokenizer import SMOLLM2_DEFAULT_SYSTEM_PROMPT
 
 # vLLM benchmark_serving's ShareGPT filter (tokens).
 MIN_TOKENS = 4

@@ -2,9 +2,9 @@
 
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.service import EdgeService
-from prefixmesh.shared.config import parse
-from prefixmesh.shared.lifecycle import main
-from prefixmesh.shared.log import setup_logging
+from prefixmesh.shared.runtime.config import parse
+from prefixmesh.shared.runtime.lifecycle import main
+from prefixmesh.shared.runtime.log import setup_logging
 
 if __name__ == "__main__":
     cfg = parse(EdgeConfig, None, "python -m prefixmesh.services.edge",

@@ -3,35 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
 from prefixmesh.services.edge.auth import KeyResolver
-from prefixmesh.services.edge.completion import check_length, complete, run_choice, token_prompts
+from prefixmesh.services.edge.completion import complete, run_choice, token_prompts
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.openapi import openapi_document
 from prefixmesh.services.edge.pipeline import MeshClient
-from prefixmesh.services.edge.responses import (
-    ChoiceResult,
-    ResponseMeta,
-    Usage,
-    chunk,
-    logprobs_body,
-    usage_chunk,
-)
-from prefixmesh.services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
+from prefixmesh.shared.openai.choices import ChoiceEvent, check_context, fan_out, stream_choices
+from prefixmesh.shared.openai.http import CLIENT_CLOSED, errors_middleware, read_body
+from prefixmesh.shared.openai.responses import ResponseMeta, Usage
+from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, parse_chat, parse_completion
 from prefixmesh.services.edge.scoring import parse_score, score
 from prefixmesh.services.edge.tenants import Admission, ApiKeys
-from prefixmesh.shared.log import bind_request
-from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent
-from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
+from prefixmesh.shared.runtime.log import bind_request
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
 
 log = logging.getLogger(__name__)
 
@@ -55,47 +48,14 @@ TOKENS = Counter("prefixmesh_edge_tokens_total", "tokens by kind (prompt, cached
                  ["kind", "tenant"])
 ERRORS = Counter("prefixmesh_edge_errors_total", "HTTP requests answered with an error status",
                  ["route", "status"])
-# Status label of requests whose client disconnected before the answer (nginx's 499).
-CLIENT_CLOSED = 499
 # Tenant label of requests that carry none (no API key configured).
 DEFAULT_TENANT_LABEL = "default"
 
 
-def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
-
-
-@web.middleware
-async def errors_middleware(request: web.Request,
-                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                            ) -> web.StreamResponse:
-    """Every error leaves as OpenAI-shaped JSON with the right status, never a bare 500."""
-    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
-        else "unmatched"
-    try:
-        resp = await handler(request)
-    except asyncio.CancelledError:  # the client went away (its request was aborted)
-        REQUESTS.labels(route, str(CLIENT_CLOSED)).inc()
-        raise
-    except ApiError as err:
-        resp = error_response(err)
-    except web.HTTPRequestEntityTooLarge as exc:
-        resp = error_response(ApiError(413, f"request body too large: {exc.text}",
-                                       code="request_too_large"))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        msg = f"{request.method} {request.path}: {exc.reason}"
-        resp = error_response(ApiError(exc.status, msg, type=kind, headers={
-            k: v for k, v in exc.headers.items() if k.lower() == "allow"}))
-    except Exception:
-        log.exception("unhandled error on %s", request.path)
-        resp = error_response(ApiError(500, "internal error", type="internal_error"))
-    REQUESTS.labels(route, str(resp.status)).inc()
-    if resp.status >= 400:
-        ERRORS.labels(route, str(resp.status)).inc()
-    return resp
+def _count_status(route: str, status: int) -> None:
+    REQUESTS.labels(route, str(status)).inc()
+    if 400 <= status != CLIENT_CLOSED:
+        ERRORS.labels(route, str(status)).inc()
 
 
 @web.middleware
@@ -125,20 +85,8 @@ async def auth_middleware(request: web.Request,
     return await handler(request)
 
 
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        cfg = request.app[CONFIG]
-        raise ApiError(413, f"request body exceeds {cfg.max_body_bytes} bytes",
-                       code="request_too_large") from None
-
-
 async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
-    mesh = request.app[MESH]
-    cfg = request.app[CONFIG]
-    kind = parsed.kind
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    rid = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex
     bind_request(rid)
     tenant = request.get(TENANT, "")
     admission = request.app[ADMISSION]
@@ -153,7 +101,6 @@ async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: s
                              tenant: str) -> web.StreamResponse:
     mesh = request.app[MESH]
     cfg = request.app[CONFIG]
-    kind = parsed.kind
     started = time.monotonic()
     route = request.path
     prompts = await token_prompts(mesh, rid, parsed)
@@ -162,21 +109,45 @@ async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: s
         body, usage = await complete(mesh, cfg, parsed, rid, prompts, tenant)
         _observe(route, usage, time.monotonic() - started, None, tenant)
         return web.json_response(body, headers=headers)
-    check_length(cfg, prompts, parsed.sampling.max_tokens)
-    jobs = [(pi * parsed.n + j, toks) for pi, toks in enumerate(prompts) for j in range(parsed.n)]
-    # The prompt of a choice counts once per distinct prompt in usage, as OpenAI does.
-    first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
-    meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=kind)
+    check_context(prompts, parsed.sampling.max_tokens, cfg.max_model_len)
+    meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, sink),
-                                 name=f"{rid}-{i}") for i, toks in jobs]
+    tasks = [asyncio.create_task(run_choice(mesh, c, parsed, tenant, sink), name=c.request_id)
+             for c in fan_out(rid, prompts, parsed.n)]
     try:
-        return await _stream(request, meta, parsed, tasks, sink, first_of_prompt, headers,
-                             started, tenant)
+        resp, outcome = await stream_choices(request, meta, parsed, _merge(tasks, sink),
+                                             len(prompts), headers, started)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    _observe(route, outcome.usage, time.monotonic() - started, outcome.ttft_s, tenant)
+    return resp
+
+
+async def _merge(tasks: list[asyncio.Task], sink: asyncio.Queue[tuple[int, Any]]
+                 ) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    """The choices' events as they come, until every choice task has ended; a task that
+    failed yields its error (an ApiError, or a 500 for anything else)."""
+    pending = set(tasks)
+    getter: asyncio.Future | None = None
+    try:
+        while pending or not sink.empty():
+            if getter is None:
+                getter = asyncio.ensure_future(sink.get())
+            done, _ = await asyncio.wait(pending | {getter},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in done - {getter}:
+                pending.discard(t)
+                if (exc := t.exception()) is not None:
+                    yield -1, exc if isinstance(exc, ApiError) else ApiError(
+                        500, "internal error", type="internal_error")
+            if getter in done:
+                yield getter.result()
+                getter = None
+    finally:
+        if getter is not None:
+            getter.cancel()
 
 
 def _observe(route: str, usage: Usage, latency: float, ttft: float | None,
@@ -190,89 +161,23 @@ def _observe(route: str, usage: Usage, latency: float, ttft: float | None,
     TOKENS.labels("completion", tenant).inc(usage.completion_tokens)
 
 
-async def _stream(request: web.Request, meta: ResponseMeta, parsed: ParsedRequest,
-                  tasks: list[asyncio.Task], sink: asyncio.Queue[tuple[int, Any]],
-                  first_of_prompt: set[int], headers: dict[str, str],
-                  started: float, tenant: str) -> web.StreamResponse:
-    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", **headers})
-    await resp.prepare(request)
-
-    async def send(obj: Any) -> None:
-        await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
-
-    usage = Usage()
-    ttft: float | None = None
-    want_logprobs = parsed.sampling.logprobs is not None
-    text_offsets: dict[int, int] = {}  # choice -> characters sent (completions text_offset)
-    pending = set(tasks)
-    started_choices: set[int] = set()
-    getter: asyncio.Task | None = None
-    while pending or not sink.empty():
-        if getter is None:
-            getter = asyncio.ensure_future(sink.get())
-        done, _ = await asyncio.wait(pending | {getter}, return_when=asyncio.FIRST_COMPLETED)
-        for t in done - {getter}:
-            pending.discard(t)
-            if t.exception() is not None:
-                exc = t.exception()
-                err = exc if isinstance(exc, ApiError) else ApiError(500, "internal error",
-                                                                     type="internal_error")
-                await send(err.body())
-        if getter not in done:
-            continue
-        index, event = getter.result()
-        getter = None
-        if parsed.kind == "chat" and index not in started_choices:
-            started_choices.add(index)
-            await send(chunk(meta, index, text="", role=True))
-        if isinstance(event, GenerateChunkEvent):
-            if ttft is None:
-                ttft = time.monotonic() - started
-            if event.text or (want_logprobs and event.logprobs):
-                lp = logprobs_body(parsed.kind, event.logprobs, text_offsets.get(index, 0)) \
-                    if want_logprobs else None
-                text_offsets[index] = text_offsets.get(index, 0) + len(event.text)
-                await send(chunk(meta, index, text=event.text, logprobs=lp))
-        elif isinstance(event, GenerateDoneEvent):
-            if event.error is not None:
-                await send(ApiError(503, f"generation failed: {event.error.message}",
-                                    type="service_unavailable", code="worker_error").body())
-            else:
-                await send(chunk(meta, index, text=None if parsed.kind == "chat" else "",
-                                 finish_reason=event.finish_reason))
-            usage.add(ChoiceResult(index=index, prompt_tokens=event.prompt_tokens,
-                                   completion_tokens=event.completion_tokens,
-                                   cached_tokens=event.cached_tokens),
-                      index in first_of_prompt)
-    if getter is not None:
-        getter.cancel()
-    if parsed.include_usage:
-        await send(usage_chunk(meta, usage))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    _observe(request.path, usage, time.monotonic() - started, ttft, tenant)
-    return resp
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    parsed = parse_completion(await _read_body(request), cfg.model_names, cfg.vocab_size,
-                              cfg.max_tokens_limit)
+    parsed = parse_completion(await read_body(request, cfg.max_body_bytes), cfg.model_names,
+                              cfg.vocab_size, cfg.max_tokens_limit)
     return await _generate(request, parsed)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    parsed = parse_chat(await _read_body(request), cfg.model_names, cfg.max_tokens_limit)
+    parsed = parse_chat(await read_body(request, cfg.max_body_bytes), cfg.model_names, cfg.max_tokens_limit)
     return await _generate(request, parsed)
 
 
 async def score_route(request: web.Request) -> web.Response:
     """Prefill-only scoring: probabilities of a few single-token continuations."""
     cfg = request.app[CONFIG]
-    parsed = parse_score(await _read_body(request), cfg.model_names, cfg.vocab_size)
+    parsed = parse_score(await read_body(request, cfg.max_body_bytes), cfg.model_names, cfg.vocab_size)
     rid = "score-" + uuid.uuid4().hex
     bind_request(rid)
     tenant = request.get(TENANT, "")
@@ -310,7 +215,8 @@ def build_app(cfg: EdgeConfig, mesh: MeshClient, keys: KeyResolver | None = None
               ) -> web.Application:
     """The edge's aiohttp application (``keys``: the API key resolver; None = from
     ``cfg.api_keys_file`` alone)."""
-    app = web.Application(middlewares=[request_id_middleware, errors_middleware,
+    app = web.Application(middlewares=[request_id_middleware,
+                                       errors_middleware(on_status=_count_status),
                                        auth_middleware], client_max_size=cfg.max_body_bytes)
     app[CONFIG] = cfg
     app[MESH] = mesh

@@ -13,7 +13,7 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.services.edge.tenants import ApiKeys, bearer_key
 
 log = logging.getLogger(__name__)

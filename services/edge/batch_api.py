@@ -26,7 +26,7 @@ from prefixmesh.services.edge.batch_format import (
 )
 from prefixmesh.services.edge.batch_runner import BatchRunner
 from prefixmesh.services.edge.batch_store import BatchStore
-from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError
 
 STORE = web.AppKey("batch_store", BatchStore)
 RUNNER = web.AppKey("batch_runner", BatchRunner)

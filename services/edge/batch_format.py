@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = ("24h",)

@@ -2,7 +2,7 @@
 
 One ``BatchRunner`` per edge. A batch goes ``validating -> in_progress -> finalizing ->
 completed`` (or ``failed`` at validation, ``cancelling -> cancelled``). Its lines are
-tokenized, planned as a whole (``prefixmesh.shared.batch_plan``: enlarged first-level prefix groups,
+tokenized, planned as a whole (``prefixmesh.services.edge.batch_plan``: enlarged first-level prefix groups,
 ordered and placed on the live workers by estimated GPU work) and submitted group by group
 to their planned worker, tagged with the batch id so the worker's ``batch_groups`` policy
 runs them below interactive traffic. Each worker gets at most ``inflight_per_worker``
@@ -50,12 +50,12 @@ from prefixmesh.services.edge.batch_store import BatchStore
 from prefixmesh.services.edge.completion import complete, token_prompts
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.pipeline import MeshClient
-from prefixmesh.services.edge.schema import ApiError, ParsedRequest, parse_chat, parse_completion
+from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, parse_chat, parse_completion
 from prefixmesh.services.edge.workers import WorkerDirectory
-from prefixmesh.shared.batch_plan import plan_batch
+from prefixmesh.services.edge.batch_plan import plan_batch
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import BatchProgressEvent
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import BatchProgressEvent
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ import msgspec
 
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.pipeline import MeshClient, WorkerLost
-from prefixmesh.services.edge.responses import ChoiceResult, ResponseMeta, Usage, full_response
-from prefixmesh.services.edge.schema import ApiError, ParsedRequest
+from prefixmesh.shared.openai.choices import Choice, check_context, fan_out, first_of_prompt
+from prefixmesh.shared.openai.responses import ChoiceResult, ResponseMeta, Usage, full_response
+from prefixmesh.shared.openai.schema import ApiError, ParsedRequest
 from prefixmesh.services.edge.stops import StopMatcher
-from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent
+from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent
 
 
 async def token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> list[list[int]]:
@@ -29,41 +30,25 @@ async def token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> li
     return out
 
 
-def check_length(cfg: EdgeConfig, prompts: list[list[int]], max_tokens: int) -> None:
-    for p in prompts:
-        if len(p) + max_tokens > cfg.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {cfg.max_model_len} "
-                           f"tokens; the prompt has {len(p)} and max_tokens is {max_tokens}.",
-                           param="max_tokens", code="context_length_exceeded")
-
-
-async def run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
-                      parsed: ParsedRequest, tenant: str,
-                      sink: asyncio.Queue[tuple[int, Any]] | None,
-                      batch_id: str = "", worker_id: str = "", exclude: tuple[str, ...] = (),
-                      deadline: float = 0.0) -> ChoiceResult:
+async def run_choice(mesh: MeshClient, choice: Choice, parsed: ParsedRequest, tenant: str,
+                     sink: asyncio.Queue[tuple[int, Any]] | None, batch_id: str = "",
+                     worker_id: str = "", exclude: tuple[str, ...] = (),
+                     deadline: float = 0.0) -> ChoiceResult:
     """Run one choice on the mesh, pushing (index, event) to ``sink`` (if any); returns its
     result. Stop sequences are applied here (``stops``): the chunk events pushed carry
     only text before the first stop, and a stop ends the request on its worker at once.
     ``exclude`` and ``deadline`` go to ``MeshClient.generate``."""
-    result = ChoiceResult(index=index, prompt_tokens=len(tokens))
-    if parsed.sampling.logprobs is not None:
-        result.logprobs = []
+    index, sub_id, tokens = choice.index, choice.request_id, choice.token_ids
+    result = ChoiceResult.start(index, len(tokens), parsed.sampling.logprobs is not None)
     stops = StopMatcher(parsed.sampling.stop)
-    sub_id = rid if parsed.n * max(len(parsed.prompts), 1) == 1 else f"{rid}-{index}"
     events = mesh.generate(sub_id, tokens, parsed.sampling, tenant, batch_id, worker_id,
                            exclude, deadline)
     async with aclosing(events):  # leaving early (stop) aborts the request on its worker
         async for event in events:
             if isinstance(event, GenerateChunkEvent):
-                result.completion_tokens += len(event.token_ids)
-                result.cached_tokens = event.cached_tokens
-                if result.logprobs is not None:
-                    result.logprobs.extend(event.logprobs)
-                text = stops.feed(event.text)
+                event = msgspec.structs.replace(event, text=stops.feed(event.text))
+                result.take(event)
                 if stops.stopped:
-                    event = msgspec.structs.replace(event, text=text)
-                    result.text += text
                     await _put(sink, index, event)
                     done = GenerateDoneEvent(
                         request_id=sub_id, worker_id=result.worker_id, finish_reason="stop",
@@ -72,34 +57,26 @@ async def run_choice(mesh: MeshClient, rid: str, index: int, tokens: list[int],
                     result.finish_reason = "stop"
                     await _put(sink, index, done)
                     return result
-                event = msgspec.structs.replace(event, text=text)
-                result.text += text
             elif isinstance(event, GenerateDoneEvent):
                 if tail := stops.flush():
                     result.text += tail
                     await _put(sink, index, GenerateChunkEvent(request_id=sub_id, token_ids=[],
                                                                text=tail))
-                result.finish_reason = event.finish_reason
-                result.completion_tokens = event.completion_tokens
-                result.cached_tokens = event.cached_tokens
-                result.prompt_tokens = event.prompt_tokens or len(tokens)
-                result.worker_id = event.worker_id
-                if event.error is not None:
-                    result.error = event.error.message
+                result.take(event)
             await _put(sink, index, event)
     return result
 
 
-async def _choice_with_failover(mesh: MeshClient, rid: str, index: int, tokens: list[int],
-                                parsed: ParsedRequest, tenant: str, batch_id: str,
-                                worker_id: str, deadline: float) -> ChoiceResult:
+async def _choice_with_failover(mesh: MeshClient, choice: Choice, parsed: ParsedRequest,
+                                tenant: str, batch_id: str, worker_id: str,
+                                deadline: float) -> ChoiceResult:
     """A non-streamed choice: nothing reached the client yet, so a choice whose worker died
-    after streaming some tokens is run again from scratch elsewhere (DESIGN.md s.12)."""
+    after streaming some tokens is run again from scratch elsewhere (docs/design.md section 12)."""
     lost: list[str] = []
     while True:
         try:
-            return await run_choice(mesh, rid, index, tokens, parsed, tenant, None, batch_id,
-                                    worker_id, tuple(lost), deadline)
+            return await run_choice(mesh, choice, parsed, tenant, None, batch_id, worker_id,
+                                    tuple(lost), deadline)
         except WorkerLost as exc:
             lost.append(exc.worker_id)
             worker_id = ""
@@ -118,16 +95,14 @@ async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid
     """Run a non-streaming request whose prompts are already token ids; returns the
     OpenAI response body and its usage (raises ApiError when a choice failed). Shared by
     the HTTP routes and the batch runner."""
-    check_length(cfg, prompts, parsed.sampling.max_tokens)
-    jobs = [(pi * parsed.n + j, toks) for pi, toks in enumerate(prompts) for j in range(parsed.n)]
-    # The prompt of a choice counts once per distinct prompt in usage, as OpenAI does.
-    first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
+    check_context(prompts, parsed.sampling.max_tokens, cfg.max_model_len)
+    counted = first_of_prompt(len(prompts), parsed.n)
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     deadline = time.time() + mesh.timeouts.request_s
-    tasks = [asyncio.create_task(_choice_with_failover(mesh, rid, i, toks, parsed, tenant,
-                                                       batch_id, worker_id, deadline),
-                                 name=f"{rid}-{i}")
-             for i, toks in jobs]
+    tasks = [asyncio.create_task(_choice_with_failover(mesh, c, parsed, tenant, batch_id,
+                                                       worker_id, deadline),
+                                 name=c.request_id)
+             for c in fan_out(rid, prompts, parsed.n)]
     try:
         results = await asyncio.gather(*tasks)
     finally:
@@ -140,5 +115,5 @@ async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid
                        code="worker_error", headers={"Retry-After": "1"})
     usage = Usage()
     for r in results:
-        usage.add(r, r.index in first_of_prompt)
+        usage.add(r, r.index in counted)
     return full_response(meta, results, usage), usage

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.runtime.config import CommonConfig, option
 
 
 @dataclass(frozen=True)

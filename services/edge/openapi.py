@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixmesh.services.edge.config import EdgeConfig
-from prefixmesh.services.edge.schema import (
+from prefixmesh.shared.openai.schema import (
     CHAT_ROLES,
     MAX_ALLOWED_TOKENS,
     MAX_CHOICES,

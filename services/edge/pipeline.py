@@ -3,7 +3,7 @@
 One ``MeshClient`` per edge process. Token streams from workers arrive on the edge's own
 inbox subject (``stream.<edge_id>.*``) and are dispatched to per-request queues.
 
-Worker failover (DESIGN.md section 12): while a request waits on its worker, the edge
+Worker failover (docs/design.md section 12): while a request waits on its worker, the edge
 watches that worker's load reports (``WorkerDirectory``). A worker silent for
 ``worker_silence_s`` is presumed dead: a request that has yielded nothing yet is placed
 again on another worker, transparently; one that already yielded tokens raises
@@ -20,11 +20,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from prefixmesh.services.edge.schema import ApiError, Sampling
+from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     ROUTE_REPLY,
     SUBMIT_REPLY,
@@ -238,7 +238,7 @@ class MeshClient:
             route.exclude.append(worker_id)
         raise unavailable("workers", RuntimeError(f"{len(route.exclude)} workers refused"))
 
-    async def generate(self, request_id: str, token_ids: list[int], sampling: Sampling,
+    async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams,
                        tenant: str, batch_id: str = "", worker_id: str = "",
                        exclude: tuple[str, ...] = (), deadline: float = 0.0
                        ) -> AsyncIterator[GenerateChunkEvent | GenerateDoneEvent]:
@@ -263,12 +263,7 @@ class MeshClient:
             wire_id = f"{request_id}-f{len(lost)}" if lost else request_id
             gen = GenerateRequest(
                 request_id=wire_id, token_ids=token_ids,
-                sampling=SamplingParams(
-                    max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                    top_p=sampling.top_p, seed=sampling.seed, stop=sampling.stop,
-                    ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
-                    allowed_token_ids=sampling.allowed_token_ids,
-                ),
+                sampling=sampling,
                 reply_to=self.bus.subjects.stream_reply(self.edge_id, wire_id),
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
                 created=time.time(), deadline=deadline, predicted_distribution=distribution,

@@ -19,20 +19,21 @@ from typing import Any
 
 import msgspec
 
-from prefixmesh.services.edge.completion import check_length, run_choice, token_prompts
+from prefixmesh.services.edge.completion import run_choice, token_prompts
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.pipeline import MeshClient
-from prefixmesh.services.edge.responses import ChoiceResult, Usage
-from prefixmesh.services.edge.schema import (
+from prefixmesh.shared.openai.choices import check_context, fan_out
+from prefixmesh.shared.openai.responses import ChoiceResult, Usage
+from prefixmesh.shared.openai.schema import (
     MAX_ALLOWED_TOKENS,
     ApiError,
     ParsedRequest,
-    Sampling,
-    _check_choices,
-    _prompts,
     allowed_tokens,
+    check_choices,
     decode_body,
+    parse_prompts,
 )
+from prefixmesh.shared.wire import SamplingParams
 
 
 class _ScoreBody(msgspec.Struct):
@@ -61,8 +62,8 @@ def parse_score(body: bytes, models: tuple[str, ...], vocab_size: int) -> ScoreR
     if b.model not in models:
         raise ApiError(404, f"The model `{b.model}` does not exist.", param="model",
                        code="model_not_found")
-    prompts = _prompts(b.prompt, vocab_size)
-    _check_choices(1, len(prompts))
+    prompts = parse_prompts(b.prompt, vocab_size)
+    check_choices(1, len(prompts))
     if (b.candidates is None) == (b.candidate_token_ids is None):
         raise ApiError(400, "give exactly one of candidates or candidate_token_ids",
                        param="candidates")
@@ -93,14 +94,14 @@ async def score(mesh: MeshClient, cfg: EdgeConfig, req: ScoreRequest, rid: str,
     """Run a score request on the mesh; returns the response body."""
     ids = await _candidate_ids(mesh, rid, req)
     unique = list(dict.fromkeys(ids))
-    sampling = Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[],
-                        ignore_eos=True, logprobs=len(unique), allowed_token_ids=unique)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[],
+                              ignore_eos=True, logprobs=len(unique), allowed_token_ids=unique)
     parsed = ParsedRequest(kind="completion", model=req.model, prompts=req.prompts,
                            sampling=sampling)
     prompts = await token_prompts(mesh, rid, parsed)
-    check_length(cfg, prompts, 1)
-    tasks = [asyncio.create_task(run_choice(mesh, rid, i, toks, parsed, tenant, None),
-                                 name=f"{rid}-{i}") for i, toks in enumerate(prompts)]
+    check_context(prompts, 1, cfg.max_model_len)
+    tasks = [asyncio.create_task(run_choice(mesh, c, parsed, tenant, None), name=c.request_id)
+             for c in fan_out(rid, prompts, 1)]
     try:
         results: list[ChoiceResult] = await asyncio.gather(*tasks)
     finally:

@@ -19,7 +19,7 @@ from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
 from prefixmesh.services.edge.tenants import ApiKeys
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import BUS_EVENT, STREAM_EVENT
+from prefixmesh.shared.wire import BUS_EVENT, STREAM_EVENT
 from prefixmesh.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError
 
 # The tenant of every request when auth is off: it has no limits of its own, only the
 # edge-wide bound applies (an operator who turned auth off has no tenants to share between).

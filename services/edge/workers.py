@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from prefixmesh.shared.messages import LoadReportEvent
+from prefixmesh.shared.wire import LoadReportEvent
 
 # A worker silent for this long is not planned on (seconds; load reports come every 0.25 s
 # by default, and the scheduler drops a worker after 3 missed reports).

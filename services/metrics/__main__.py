@@ -1,9 +1,9 @@
 """``python -m prefixmesh.services.metrics``: run the cluster metrics service."""
 
 from prefixmesh.services.metrics.service import MetricsConfig, MetricsService
-from prefixmesh.shared.config import parse
-from prefixmesh.shared.lifecycle import main
-from prefixmesh.shared.log import setup_logging
+from prefixmesh.shared.runtime.config import parse
+from prefixmesh.shared.runtime.lifecycle import main
+from prefixmesh.shared.runtime.log import setup_logging
 
 if __name__ == "__main__":
     cfg = parse(MetricsConfig, None, "python -m prefixmesh.services.metrics",

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     BatchProgressEvent,
     LoadReportEvent,
     RequestDoneEvent,

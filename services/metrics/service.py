@@ -16,16 +16,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from prefixmesh.services.metrics.cluster import ClusterView
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.config import CommonConfig, option
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.runtime.config import CommonConfig, option
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import (
     BUS_EVENT,
     BatchProgressEvent,
     LoadReportEvent,
     RequestDoneEvent,
     SchedulerStatsEvent,
 )
-from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
 from prefixmesh.shared.subjects import Subjects
 
 # The dashboard's files (dashboard.html, dashboard.js, dashboard.css).

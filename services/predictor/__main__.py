@@ -1,9 +1,9 @@
 """``python -m prefixmesh.services.predictor``: run the output-length predictor."""
 
 from prefixmesh.services.predictor.service import PredictorConfig, PredictorService
-from prefixmesh.shared.config import parse
-from prefixmesh.shared.lifecycle import main
-from prefixmesh.shared.log import setup_logging
+from prefixmesh.shared.runtime.config import parse
+from prefixmesh.shared.runtime.lifecycle import main
+from prefixmesh.shared.runtime.log import setup_logging
 
 if __name__ == "__main__":
     cfg = parse(PredictorConfig, None, "python -m prefixmesh.services.predictor",

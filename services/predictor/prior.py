@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixmesh.shared.messages import ErrorInfo, PredictLengthReply, PredictLengthRequest
+from prefixmesh.shared.wire import ErrorInfo, PredictLengthReply, PredictLengthRequest
 
 # Mean output tokens per workload (Preble Table 1); "default" for anything else.
 DEFAULT_TABLE = "toolbench=43,embodied=16,programming=190,videoqa=4,loogle=16,default=128"

@@ -3,7 +3,7 @@
 Two sources: a trained artifact (``--model-dir``: MiniLM + head over TRAIL's length bins,
 ``serving.ModelPredictor``) for requests that carry their prompt's ``token_ids``, and the
 workload prior (``prior.LengthPrior``) for everything else, or for every request when no
-artifact is configured. Requests are answered in micro-batches (``prefixmesh.shared.batching``): the
+artifact is configured. Requests are answered in micro-batches (``prefixmesh.services.predictor.batching``): the
 concurrent ones share one encoder forward pass, which runs on the service's own
 one-thread executor so the event loop never blocks. torch is imported only when an
 artifact is configured.
@@ -21,18 +21,18 @@ from prometheus_client import Counter, Histogram
 
 from prefixmesh.services.predictor.prior import DEFAULT_TABLE, LengthPrior
 from prefixmesh.services.predictor.serving import check_token_ids
-from prefixmesh.shared.batching import BatchServer
+from prefixmesh.services.predictor.batching import BatchServer
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.config import CommonConfig, option
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.runtime.config import CommonConfig, option
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import (
     PREDICT_REQUEST,
     ErrorInfo,
     LengthDistribution,
     PredictLengthReply,
     PredictLengthRequest,
 )
-from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import PREDICTOR_GROUP, Subjects
 
 REQUESTS = Counter("prefixmesh_predictor_requests_total", "predictions by outcome", ["outcome"])

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.services.tokenizer.text import TextTokenizer
+from prefixmesh.shared.text.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class ModelPredictor:
     """
 
     def __init__(self, folder: str | Path, threads: int = 1, tokenizer_path: str = "") -> None:
-        from prefixmesh.services.predictor.models import PredictorArtifact, PromptEncoder
+        from prefixmesh.shared.trail.artifact import PredictorArtifact
+        from prefixmesh.services.predictor.encoder import PromptEncoder
 
         self.artifact: Any = PredictorArtifact.load(Path(folder))
         self.mode = str(self.artifact.train_config.get("encoder", "full"))
@@ -120,8 +121,8 @@ class ModelPredictor:
     def predict_distributions(self, prompts: Sequence[Sequence[int]]
                               ) -> list[tuple[float, list[float]]]:
         """Each prompt's expected output tokens and its distribution over the bins."""
-        from prefixmesh.services.predictor.models import predict_proba
-        from prefixmesh.services.predictor.trail import expected_length
+        from prefixmesh.shared.trail.artifact import predict_proba
+        from prefixmesh.shared.trail.lengths import expected_length
 
         if not prompts:
             return []

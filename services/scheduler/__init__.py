@@ -1,1 +1,1 @@
-"""Global scheduler service: routes each request to a worker (DESIGN.md s.5)."""
+"""Global scheduler service: routes each request to a worker (docs/design.md section 5)."""

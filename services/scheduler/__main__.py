@@ -9,9 +9,9 @@ import argparse
 
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
-from prefixmesh.shared.config import add_arguments, from_sources
-from prefixmesh.shared.lifecycle import main
-from prefixmesh.shared.log import setup_logging
+from prefixmesh.shared.runtime.config import add_arguments, from_sources
+from prefixmesh.shared.runtime.lifecycle import main
+from prefixmesh.shared.runtime.log import setup_logging
 
 
 def parse(argv: list[str] | None = None) -> tuple[SchedulerConfig, PolicyConfig]:

@@ -23,10 +23,10 @@ from prefixmesh.services.scheduler.store import StateStore
 from prefixmesh.services.scheduler.policies import make_policy
 from prefixmesh.services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import (
     BUS_EVENT,
     ROUTE_REQUEST,
     ErrorInfo,
@@ -37,7 +37,7 @@ from prefixmesh.shared.messages import (
     RouteReply,
     RouteRequest,
 )
-from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import SCHEDULER_GROUP, Subjects
 
 log = logging.getLogger(__name__)

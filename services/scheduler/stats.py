@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from prefixmesh.shared.messages import HotPrefix, SchedulerStatsEvent
-from prefixmesh.shared.prefix_tree import Node, PrefixTree
+from prefixmesh.shared.wire import HotPrefix, SchedulerStatsEvent
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 
 # Hot prefixes in one summary.
 HOT_PREFIXES_SHOWN = 10

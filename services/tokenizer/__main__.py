@@ -1,9 +1,9 @@
 """``python -m prefixmesh.services.tokenizer``: run a tokenizer replica."""
 
 from prefixmesh.services.tokenizer.service import TokenizerConfig, TokenizerService
-from prefixmesh.shared.config import parse
-from prefixmesh.shared.lifecycle import main
-from prefixmesh.shared.log import setup_logging
+from prefixmesh.shared.runtime.config import parse
+from prefixmesh.shared.runtime.lifecycle import main
+from prefixmesh.shared.runtime.log import setup_logging
 
 if __name__ == "__main__":
     cfg = parse(TokenizerConfig, None, "python -m prefixmesh.services.tokenizer",

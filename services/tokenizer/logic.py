@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from prefixmesh.services.tokenizer.text import TextTokenizer
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.text.tokenizer import TextTokenizer
+from prefixmesh.shared.wire import (
     DetokenizeReply,
     DetokenizeRequest,
     ErrorInfo,

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Histogram
 
 from prefixmesh.services.tokenizer.logic import handle
-from prefixmesh.services.tokenizer.text import TextTokenizer
+from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.config import CommonConfig, option
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.runtime.config import CommonConfig, option
+from prefixmesh.shared.wire import (
     TOKENIZER_REQUEST,
     DetokenizeRequest,
     ErrorInfo,
     TokenizeReply,
     TokenizeRequest,
 )
-from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import TOKENIZER_GROUP, Subjects
 
 REQUESTS = Counter("prefixmesh_tokenizer_requests_total", "tokenizer requests by outcome",

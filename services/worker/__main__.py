@@ -13,10 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.http import serve_http
 from prefixmesh.services.worker.service import WorkerService
-from prefixmesh.shared.config import ENV_PREFIX, parse
-from prefixmesh.shared.lifecycle import main as run_main
-from prefixmesh.shared.log import setup_logging
+from prefixmesh.shared.runtime.config import ENV_PREFIX, parse
+from prefixmesh.shared.runtime.lifecycle import main as run_main
+from prefixmesh.shared.runtime.log import setup_logging
 
 
 def _standalone_argv(argv: list[str]) -> list[str]:
@@ -41,7 +42,8 @@ def main(argv: Sequence[str] | None = None, standalone: bool = False) -> int:
     if not cfg.worker_id and cfg.http_port:  # a readable id for logs and /server_info
         cfg = dataclasses.replace(cfg, worker_id=f"http-{cfg.http_port}")
     setup_logging("worker", cfg.log_level, cfg.log_json)
-    run_main(lambda: WorkerService(cfg), cfg.drain_timeout_s)
+    front = serve_http if cfg.http_port else None
+    run_main(lambda: WorkerService(cfg, front), cfg.drain_timeout_s)
     return 0
 
 

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
-from prefixmesh.shared.config import CommonConfig, option
+from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 
 
@@ -17,7 +17,7 @@ class WorkerConfig(CommonConfig):
     backend: str = option("sim", "engine backend: sim (simulated GPU), hf, vllm",
                           choices=("sim", "hf", "vllm"))
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPU")
-    local_policy: str = option(DEFAULT_LOCAL_POLICY, "local queue policy (DESIGN.md s.6)",
+    local_policy: str = option(DEFAULT_LOCAL_POLICY, "local queue policy (docs/design.md section 6)",
                                choices=LOCAL_POLICIES)
     model: str = option("smollm2-135m-instruct", "model served (name reported in load reports)")
     tokenizer_path: str = option("", "tokenizer.json for detokenizing (empty = SmolLM2's)")

@@ -29,42 +29,37 @@ vllm-router 0.1.17):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from prefixmesh.services.edge.app import errors_middleware
-from prefixmesh.services.edge.responses import (
-    ChoiceResult,
-    ResponseMeta,
-    Usage,
-    chunk,
-    full_response,
-    usage_chunk,
-)
-from prefixmesh.services.edge.schema import (
-    ApiError,
-    ParsedRequest,
-    Sampling,
-    decode_body,
-    parse_chat,
-    parse_completion,
-)
 from prefixmesh.services.worker.service import WorkerService
-from prefixmesh.shared.messages import (
-    GenerateChunkEvent,
-    GenerateDoneEvent,
-    GenerateRequest,
-    SamplingParams,
+from prefixmesh.shared.openai.choices import (
+    Choice,
+    ChoiceEvent,
+    check_context,
+    fan_out,
+    first_of_prompt,
+    stream_choices,
 )
+from prefixmesh.shared.openai.http import (
+    close_sse,
+    errors_middleware,
+    open_sse,
+    read_body,
+    send_sse,
+)
+from prefixmesh.shared.openai.responses import ChoiceResult, ResponseMeta, Usage, full_response
+from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, decode_body, parse_chat, \
+    parse_completion
+from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, GenerateRequest, \
+    SamplingParams
 
 WORKER = web.AppKey("worker", WorkerService)
 # Largest request body accepted (bytes): a 128k-token prompt as JSON ints fits.
@@ -76,16 +71,6 @@ SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # Refusal codes of WorkerService._submit -> (HTTP status, OpenAI error type).
 _REFUSALS = {"overloaded": (429, "rate_limit_error"), "bad_request": (400,
              "invalid_request_error")}
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-@dataclass(slots=True)
-class _Job:
-    """One prompt x choice of an HTTP request, as one engine request."""
-
-    index: int
-    request_id: str
-    token_ids: list[int]
 
 
 def _worker(request: web.Request) -> WorkerService:
@@ -118,21 +103,7 @@ def _token_prompts(w: WorkerService, parsed: ParsedRequest) -> list[list[int]]:
     return prompts
 
 
-def _check_length(w: WorkerService, prompts: list[list[int]], max_tokens: int) -> None:
-    limit = w.cfg.max_model_len
-    for p in prompts:
-        if len(p) + max_tokens > limit:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens; the "
-                           f"prompt has {len(p)} and max_tokens is {max_tokens}.",
-                           param="max_tokens", code="context_length_exceeded")
-
-
-def _sampling(s: Sampling) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                          seed=s.seed, stop=s.stop, ignore_eos=s.ignore_eos)
-
-
-async def _run(w: WorkerService, jobs: list[_Job], sampling: SamplingParams
+async def _run(w: WorkerService, jobs: list[Choice], sampling: SamplingParams
                ) -> AsyncIterator[tuple[int, GenerateChunkEvent | GenerateDoneEvent]]:
     """Submit every job to the engine and yield (job index, event) until all are done.
 
@@ -166,29 +137,8 @@ async def _run(w: WorkerService, jobs: list[_Job], sampling: SamplingParams
                 w.abort(rid)
 
 
-def _jobs(rid: str, prompts: list[list[int]], n: int) -> list[_Job]:
-    single = len(prompts) * n == 1
-    return [_Job(pi * n + j, rid if single else f"{rid}-{pi * n + j}", toks)
-            for pi, toks in enumerate(prompts) for j in range(n)]
-
-
 async def _read(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes",
-                       code="request_too_large") from None
-
-
-async def _sse(request: web.Request, headers: dict[str, str] | None = None
-               ) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={**SSE_HEADERS, **(headers or {})})
-    await resp.prepare(request)
-    return resp
-
-
-async def _send(resp: web.StreamResponse, obj: Any) -> None:
-    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+    return await read_body(request, MAX_BODY_BYTES)
 
 
 # --------------------------------------------------------------------------- OpenAI
@@ -197,64 +147,35 @@ async def _send(resp: web.StreamResponse, obj: Any) -> None:
 async def _openai(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
     w = _worker(request)
     prompts = _token_prompts(w, parsed)
-    _check_length(w, prompts, parsed.sampling.max_tokens)
+    check_context(prompts, parsed.sampling.max_tokens, w.cfg.max_model_len)
     rid = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    jobs = _jobs(rid, prompts, parsed.n)
-    first_of_prompt = {pi * parsed.n for pi in range(len(prompts))}
+    jobs = fan_out(rid, prompts, parsed.n)
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
-    results = {j.index: ChoiceResult(index=j.index, prompt_tokens=len(j.token_ids))
-               for j in jobs}
-    async with aclosing(_run(w, jobs, _sampling(parsed.sampling))) as events:
-        return await _openai_reply(request, parsed, meta, results, first_of_prompt, events)
-
-
-async def _openai_reply(request: web.Request, parsed: ParsedRequest, meta: ResponseMeta,
-                        results: dict[int, ChoiceResult], first_of_prompt: set[int],
-                        events: AsyncIterator) -> web.StreamResponse:
-    usage = Usage()
-    if not parsed.stream:
+    headers = {"x-request-id": rid}
+    async with aclosing(_run(w, jobs, parsed.sampling)) as events:
+        if parsed.stream:
+            first = await anext(events)  # refusals surface as HTTP errors, before the stream
+            resp, _ = await stream_choices(request, meta, parsed, _chain(first, events),
+                                           len(prompts), headers, time.monotonic())
+            return resp
+        want_logprobs = parsed.sampling.logprobs is not None
+        results = {j.index: ChoiceResult.start(j.index, len(j.token_ids), want_logprobs)
+                   for j in jobs}
         async for i, ev in events:
-            _accumulate(results[i], ev)
-        for r in results.values():
-            usage.add(r, r.index in first_of_prompt)
-        return web.json_response(full_response(meta, list(results.values()), usage),
-                                 headers={"x-request-id": meta.id})
-    first = await anext(events)  # refusals surface as HTTP errors, before the stream opens
-    resp = await _sse(request, {"x-request-id": meta.id})
-    started: set[int] = set()
-
-    async def relay(i: int, ev: GenerateChunkEvent | GenerateDoneEvent) -> None:
-        if parsed.kind == "chat" and i not in started:
-            started.add(i)
-            await _send(resp, chunk(meta, i, text="", role=True))
-        if isinstance(ev, GenerateChunkEvent):
-            if ev.text:
-                await _send(resp, chunk(meta, i, text=ev.text))
-            return
-        r = results[i]
-        _accumulate(r, ev)
-        usage.add(r, i in first_of_prompt)
-        await _send(resp, chunk(meta, i, text=None if parsed.kind == "chat" else "",
-                                finish_reason=ev.finish_reason))
-
-    await relay(*first)
-    async for i, ev in events:
-        await relay(i, ev)
-    if parsed.include_usage:
-        await _send(resp, usage_chunk(meta, usage))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+            results[i].take(ev)
+    usage = Usage()
+    counted = first_of_prompt(len(prompts), parsed.n)
+    for r in results.values():
+        usage.add(r, r.index in counted)
+    return web.json_response(full_response(meta, list(results.values()), usage),
+                             headers=headers)
 
 
-def _accumulate(r: ChoiceResult, ev: GenerateChunkEvent | GenerateDoneEvent) -> None:
-    if isinstance(ev, GenerateChunkEvent):
-        r.text += ev.text
-        return
-    r.finish_reason = ev.finish_reason
-    r.completion_tokens = ev.completion_tokens
-    r.cached_tokens = ev.cached_tokens
-    r.prompt_tokens = ev.prompt_tokens or r.prompt_tokens
+async def _chain(first: tuple[int, ChoiceEvent], rest: AsyncIterator[tuple[int, ChoiceEvent]]
+                 ) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -325,12 +246,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "max_new_tokens must be at least 1", param="max_new_tokens")
     if batch and b.stream:
         raise ApiError(400, "streaming takes one prompt", param="stream")
-    _check_length(w, prompts, sp.max_new_tokens)
+    check_context(prompts, sp.max_new_tokens, w.cfg.max_model_len)
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     sampling = SamplingParams(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                               top_p=sp.top_p, ignore_eos=sp.ignore_eos, stop=stop)
     rid = b.rid or uuid.uuid4().hex
-    jobs = _jobs(rid, prompts, 1)
+    jobs = fan_out(rid, prompts, 1)
     out = [{"text": "", "output_ids": [], "meta_info": {
         "id": j.request_id, "prompt_tokens": len(j.token_ids), "completion_tokens": 0,
         "cached_tokens": 0, "finish_reason": None}} for j in jobs]
@@ -353,14 +274,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 apply(i, ev)
             return web.json_response(out if batch else out[0])
         first = await anext(events)
-        resp = await _sse(request)
+        resp = await open_sse(request)
         apply(*first)
-        await _send(resp, out[0])
+        await send_sse(resp, out[0])
         async for i, ev in events:
             apply(i, ev)
-            await _send(resp, out[0])
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+            await send_sse(resp, out[0])
+    await close_sse(resp)
     return resp
 
 
@@ -450,7 +370,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _load(w: WorkerService) -> dict[str, int]:
-    s = w.engine.stats(w.engine_now())
+    s = w.engine.stats(w.engine.now())
     return {"running": s.running, "waiting": s.waiting, "outstanding_tokens":
             s.outstanding_tokens}
 
@@ -468,8 +388,9 @@ async def server_info(request: web.Request) -> web.Response:
         "max_running_requests": cost.max_num_seqs, "context_length": w.cfg.max_model_len,
         "dp_size": 1, "tp_size": 1, "version": "prefixmesh",
         "internal_states": [_load(w)],
-        # Not SGLang's: the sim clock and how late its steps ran since the last flush.
-        "time_scale": w.cfg.time_scale, "step_lag": w.pacer.lag.as_dict(),
+        # Not SGLang's: what the backend adds (the sim: its clock's time_scale and how
+        # late its steps ran since the last flush, step_lag).
+        **eng.info(),
     })
 
 
@@ -510,7 +431,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 def build_app(worker: WorkerService) -> web.Application:
     """The worker's HTTP application."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[errors_middleware()], client_max_size=MAX_BODY_BYTES)
     app[WORKER] = worker
     r = app.router
     for path, handler in (("/health", health), ("/health_generate", health),
@@ -528,15 +449,15 @@ def build_app(worker: WorkerService) -> web.Application:
     return app
 
 
-async def serve_http(stack: AsyncExitStack, worker: WorkerService, host: str,
-                     port: int) -> None:
-    """Serve ``worker`` over HTTP until ``stack`` unwinds."""
+async def serve_http(stack: AsyncExitStack, worker: WorkerService) -> None:
+    """Serve ``worker`` over HTTP on its ``http_host:http_port`` until ``stack`` unwinds
+    (the worker's ``front``)."""
     # Access log at DEBUG only: it shows which routes a router calls, at a cost per request.
     access_log = logging.getLogger("aiohttp.access") if worker.cfg.log_level == "DEBUG" else None
     # handler_cancellation: a client that goes away cancels its handler, which aborts the
-    # request on the engine and frees its KV blocks (DESIGN.md s.12).
+    # request on the engine and frees its KV blocks (docs/design.md section 12).
     runner = web.AppRunner(build_app(worker), access_log=access_log,
                            handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, worker.cfg.http_host, worker.cfg.http_port).start()

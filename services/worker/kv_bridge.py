@@ -1,4 +1,4 @@
-"""The KV-event bridge: vLLM's ZMQ publisher in, prefixmesh KV events out (DESIGN.md s.4).
+"""The KV-event bridge: vLLM's ZMQ publisher in, prefixmesh KV events out (docs/design.md section 4).
 
 One task per vLLM worker: a SUB socket on vLLM's publisher endpoint, each message decoded and
 translated (``engine.vllm_events``) and handed to ``publish``, which the worker service
@@ -15,10 +15,10 @@ pyzmq is imported when the bridge runs, so the worker imports without it (sim ba
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixmesh.services.worker.engine.base import PublishKv
 from prefixmesh.services.worker.engine.vllm_events import (
     END_SEQ,
     BlockTranslator,
@@ -29,7 +29,6 @@ from prefixmesh.services.worker.engine.vllm_events import (
     decode_seq,
     encode_seq,
 )
-from prefixmesh.shared.messages import KvEvent
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -41,7 +40,6 @@ REPLAY_TIMEOUT_S = 2.0
 # vLLM's default topic for --kv-events-config.
 DEFAULT_TOPIC = "kv-events"
 
-PublishKv = Callable[[list[KvEvent]], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)

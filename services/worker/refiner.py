@@ -1,4 +1,4 @@
-"""TRAIL's in-process refinement on an ``hf`` worker (TRAIL s.3-4, DESIGN.md s.6).
+"""TRAIL's in-process refinement on an ``hf`` worker (TRAIL s.3-4, docs/design.md section 6).
 
 The engine hands over the hidden state of the probe's layer at each step that samples a
 token (``HfEngine.on_hidden``). Every ``tokens_per_update`` generated tokens the refiner
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixmesh.services.predictor.trail import LengthBins, Smoother, probe_input, softmax
+from prefixmesh.shared.trail.lengths import LengthBins, Smoother, probe_input, softmax
 from prefixmesh.services.worker.engine.types import EngineRequest, RequestStatus
-from prefixmesh.shared.messages import LengthDistribution
+from prefixmesh.shared.wire import LengthDistribution
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class Refiner:
     @classmethod
     def load(cls, folder: str | Path, update: Update | None = None) -> Refiner:
         """From a predictor artifact folder (torch is needed to read it, not to run it)."""
-        from prefixmesh.services.predictor.models import PredictorArtifact
+        from prefixmesh.shared.trail.artifact import PredictorArtifact
 
         art = PredictorArtifact.load(Path(folder))
         probe = ProbeMLP.from_state_dict(art.probe.state_dict())

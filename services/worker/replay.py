@@ -17,7 +17,7 @@ import time
 from bisect import bisect_right
 from collections import OrderedDict
 
-from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
+from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
 
 # Finished requests' journals are kept this long (seconds) for a late resume...
 FINISHED_TTL_S = 30.0

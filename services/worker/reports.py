@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefixmesh.services.worker.engine.types import EngineRequest, EngineStats
-from prefixmesh.shared.messages import LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import LoadReportEvent, RequestDoneEvent
 
 
 def load_report(worker_id: str, s: EngineStats, ts: float, backend: str = "sim",

@@ -19,32 +19,24 @@ import logging
 import math
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Histogram
 
-from prefixmesh.services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
 from prefixmesh.services.worker.config import WorkerConfig
-from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig
-from prefixmesh.services.worker.engine.hf_model import missing_dependencies as hf_missing
-from prefixmesh.services.worker.engine.pacing import Pacer
-from prefixmesh.services.worker.engine.sim import SimEngine, SimEngineConfig
+from prefixmesh.services.worker.engine.base import Engine
+from prefixmesh.services.worker.engine.registry import backend
+from prefixmesh.services.worker.engine.sim_logprobs import prompt_key
 from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput
-from prefixmesh.services.worker.engine.vllm_engine import (
-    VllmEngine,
-    VllmEngineConfig,
-    VllmUnavailable,
-    missing_dependencies,
-)
 from prefixmesh.services.worker.local import make_local_policy
 from prefixmesh.services.worker.replay import FinishedJournals, StreamJournal
 from prefixmesh.services.worker.reports import done_record, load_report
-from prefixmesh.services.worker.sim_logprobs import prompt_key, scored_token, token_logprobs
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import (
     WORKER_REQUEST,
     AbortRequest,
     BlockRemoved,
@@ -55,11 +47,12 @@ from prefixmesh.shared.messages import (
     KvEventBatch,
     ResumeRequest,
     ResyncRequest,
-    SamplingParams,
     SubmitReply,
+    TokenLogprob,
 )
-from prefixmesh.shared.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +73,10 @@ KV_EVICTED = Counter("prefixmesh_worker_kv_blocks_evicted_total",
 RESUMES = Counter("prefixmesh_worker_stream_resumes_total",
                   "streams resent on an edge's ResumeRequest", ["worker"])
 # Size of the word-token pool the simulated engine draws output tokens from.
-OUTPUT_POOL_SIZE = 256
 # Drain polls the engine this often (seconds).
 DRAIN_POLL_S = 0.02
+# Starts an extra way into a running worker (its HTTP API) on the worker's exit stack.
+Front = Callable[[AsyncExitStack, "WorkerService"], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -96,10 +90,6 @@ class _Live:
     # An in-process caller (the HTTP front, services/worker/http.py) gets the request's
     # chunk and done events on this queue instead of on ``reply_to``.
     sink: asyncio.Queue | None = None
-    # Sim only: what the request asked for beyond tokens (logprobs, allowed tokens).
-    sampling: SamplingParams | None = None
-    prompt: list[int] | None = None
-    sample_key: str = ""
     # GenerateRequest.deadline: unix seconds after which the request is dropped (0 = none).
     deadline: float = 0.0
     # What the stream carried over NATS, for a ResumeRequest (replay.py); None with a sink.
@@ -127,30 +117,23 @@ def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
 class WorkerService:
     name = "worker"
 
-    def __init__(self, cfg: WorkerConfig) -> None:
-        if cfg.backend not in ("sim", "vllm", "hf"):
-            raise SystemExit(f"backend {cfg.backend!r} is not available in this build; "
-                             "use sim, hf or vllm")
-        if cfg.backend == "vllm" and (why := missing_dependencies()):
-            raise SystemExit(why)
-        if cfg.backend == "hf" and (why := hf_missing()):
-            raise SystemExit(why)
+    def __init__(self, cfg: WorkerConfig, front: Front | None = None) -> None:
+        self._backend = backend(cfg.backend)
+        if cfg.time_scale != 1.0 and cfg.backend != "sim":
+            raise SystemExit("--time-scale applies to the sim backend only")
         if cfg.probe_model and cfg.backend != "hf":
             raise SystemExit("--probe-model needs --backend hf (the probe reads its hidden "
                              "states)")
         self.cfg = cfg
+        # An extra way in, started once the engine runs (the HTTP API: worker/http.py).
+        self.front = front
         self.worker_id = cfg.resolved_worker_id()
         self.cost = CostModel.load(cfg.profile)
-        self.engine: SimEngine | VllmEngine | HfEngine | None = None
-        self.tok: TextTokenizer | None = None
-        self.refiner = None  # prefixmesh.services.worker.refiner.Refiner with --probe-model (hf)
+        self.engine: Engine | None = None
         self.bus: Bus | None = None
         self.live: dict[str, _Live] = {}
         self.kv_seq = 0
-        self._wake = asyncio.Event()
         self._subs: list = []
-        # The sim engine's clock: model seconds, wall / time_scale (engine/pacing.py).
-        self.pacer = Pacer(cfg.time_scale)
         self._accepting = True
         # Streams of requests that ended lately, for a late ResumeRequest (replay.py).
         self.finished = FinishedJournals()
@@ -182,20 +165,16 @@ class WorkerService:
         GenerateDoneEvent messages are put on ``sink`` (``req.reply_to`` is unused)."""
         return self._submit(req, sink)
 
-    def engine_now(self) -> float:
-        """The engine's clock: model seconds for the sim backend, else monotonic seconds."""
-        return self.pacer.now() if isinstance(self.engine, SimEngine) else time.monotonic()
+    @property
+    def tok(self) -> TextTokenizer | None:
+        """The served model's tokenizer (None: the engine takes token ids only)."""
+        return self.engine.tokenizer if self.engine is not None else None
 
     def reset_cache(self) -> bool:
         """Drop the engine's prefix cache (False while requests run, as vLLM and SGLang
-        refuse); the AllBlocksCleared event reaches the scheduler with the next step's."""
-        if not isinstance(self.engine, SimEngine) or self.live:
-            return False
-        ok = self.engine.reset_cache()
-        if ok:  # a flush starts a benchmark point: count its step lag afresh
-            self.pacer.reset_lag()
-        self._wake.set()  # the idle engine loop publishes the pending KV events
-        return ok
+        refuse, or when the backend cannot); the AllBlocksCleared event reaches the
+        scheduler with the engine's next KV events."""
+        return not self.live and self.engine.reset_cache()
 
     @property
     def accepting(self) -> bool:
@@ -223,23 +202,16 @@ class WorkerService:
                 tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
                 sample_key=sample_key(req), predicted_distribution=req.predicted_distribution,
             )
-            if isinstance(self.engine, VllmEngine | HfEngine):
-                self.engine.add(ereq, time.monotonic(), req.sampling)
+            self.engine.add(ereq, self.engine.now(), req.sampling)
         except ValueError as exc:
             REFUSED.labels(self.worker_id, "bad_request").inc()
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
                                accepted=False, error=ErrorInfo(str(exc), "bad_request"))
-        detok = IncrementalDetokenizer(self.tok) if self.tok is not None else None
-        live = _Live(req.reply_to, req.tenant, detok, sink, deadline=req.deadline,
-                     journal=StreamJournal(req.reply_to) if sink is None else None)
-        if detok is not None and (req.sampling.logprobs is not None
-                                  or req.sampling.allowed_token_ids):
-            live.sampling, live.prompt, live.sample_key = req.sampling, req.token_ids, \
-                ereq.sample_key
-        self.live[req.request_id] = live
-        if isinstance(self.engine, SimEngine):
-            self.engine.add(ereq, self.pacer.now())
-        self._wake.set()
+        tok = self.engine.tokenizer
+        detok = None if self.engine.detokenizes or tok is None else IncrementalDetokenizer(tok)
+        self.live[req.request_id] = _Live(
+            req.reply_to, req.tenant, detok, sink, deadline=req.deadline,
+            journal=StreamJournal(req.reply_to) if sink is None else None)
         return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
 
     def abort(self, request_id: str) -> None:
@@ -248,9 +220,8 @@ class WorkerService:
 
     def _abort(self, request_id: str) -> None:
         if self.live.pop(request_id, None) is not None:
-            self.engine.abort(request_id, self.engine_now())
+            self.engine.abort(request_id, self.engine.now())
             FINISHED.labels(self.worker_id, "abort").inc()
-            self._wake.set()
 
     async def _expire(self, now: float) -> None:
         """Drop requests past their deadline (the edge has answered 504 by now), each with
@@ -259,7 +230,7 @@ class WorkerService:
                    if live.deadline and now >= live.deadline]
         for rid, live in expired:
             del self.live[rid]
-            self.engine.abort(rid, self.engine_now())
+            self.engine.abort(rid, self.engine.now())
             FINISHED.labels(self.worker_id, "deadline").inc()
             try:
                 await self._deliver(live, GenerateDoneEvent(
@@ -269,7 +240,6 @@ class WorkerService:
                 log.debug("deadline notice for %s not sent: %s", rid, exc)
         if expired:
             log.warning("dropped %d requests past their deadline", len(expired))
-            self._wake.set()
 
     async def _resync(self) -> None:
         """Re-send the whole cache state (the scheduler saw a sequence gap)."""
@@ -311,7 +281,8 @@ class WorkerService:
         RESUMES.labels(self.worker_id).inc()
         return SubmitReply(request_id=msg.request_id, worker_id=self.worker_id)
 
-    async def _emit(self, out: StepOutput, text: str = "") -> None:
+    async def _emit(self, out: StepOutput, text: str = "",
+                    logprobs: list[TokenLogprob] | None = None) -> None:
         """Stream a step's tokens to the request's caller; on its last step, the done
         message and the completion record. ``text``: the engine's own detokenization."""
         live = self.live.get(out.request_id)
@@ -319,14 +290,14 @@ class WorkerService:
             return
         if out.new_token_ids:
             index = out.request.num_output_tokens - len(out.new_token_ids)
-            token_ids, logprobs = self._sim_logprobs(live, out.new_token_ids, index)
+            token_ids = out.new_token_ids
             if live.detok is not None:
                 text = live.detok.step(token_ids)
                 if out.finished:
                     text += live.detok.flush()
             await self._deliver(live, GenerateChunkEvent(
                 request_id=out.request_id, token_ids=token_ids, text=text, index=index,
-                logprobs=logprobs, cached_tokens=max(out.num_cached_tokens, 0)))
+                logprobs=logprobs or [], cached_tokens=max(out.num_cached_tokens, 0)))
         if not out.finished:
             return
         del self.live[out.request_id]
@@ -344,62 +315,14 @@ class WorkerService:
         LATENCY.labels(self.worker_id).observe(record.latency_s)
         QUEUE_TIME.labels(self.worker_id).observe(record.queue_s)
 
-    def _sim_logprobs(self, live: _Live, token_ids: list[int], index: int
-                      ) -> tuple[list[int], list]:
-        """Sim: the chunk's tokens (the best allowed candidate when the request restricts
-        them) and their pseudo log-probabilities (services/worker/sim_logprobs.py)."""
-        s = live.sampling
-        if s is None or self.tok is None:
-            return token_ids, []
-        text_of = self._token_text
-        k = s.logprobs or 0
-        if s.allowed_token_ids:
-            entries = [scored_token(live.prompt, s.allowed_token_ids, k, text_of)
-                       for _ in token_ids]
-            token_ids = [e.token_id for e in entries]
-        else:
-            pool = self.engine.config.output_token_pool
-            entries = [token_logprobs(live.sample_key, index + i, t, pool, k, text_of)
-                       for i, t in enumerate(token_ids)]
-        return token_ids, entries if s.logprobs is not None else []
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id], skip_special_tokens=False)
-
-    async def _engine_loop(self) -> None:
-        """Run steps back to back while there is work; each lasts its modelled GPU time
-        (times ``time_scale`` in wall time).
-
-        Steps are scheduled on an absolute timeline in model seconds (the next starts when
-        the previous ends, or now if idle), so publishing overhead does not stretch
-        simulated time; a wake-up later than planned does, and is counted as step lag.
-        """
-        pacer = self.pacer
-        gpu_free_at = pacer.now()
-        while True:
-            now = pacer.now()
-            start = max(now, gpu_free_at)
-            plan = self.engine.plan_step(start)
-            if plan is None:
-                await self._publish_kv(self.engine.take_kv_events())
-                self._wake.clear()
-                await self._wake.wait()
-                gpu_free_at = pacer.now()
-                continue
-            gpu_free_at = start + plan.duration
-            await asyncio.sleep(pacer.sleep_for(gpu_free_at))
-            pacer.woke(gpu_free_at, plan.duration)
-            outputs = self.engine.finish_step(plan, gpu_free_at)
-            STEPS.labels(self.worker_id).inc()
-            STEP_TIME.labels(self.worker_id).observe(plan.duration)
-            for out in outputs:
-                await self._emit(out)
-            await self._publish_kv(self.engine.take_kv_events())
+    def _on_step(self, seconds: float) -> None:
+        STEPS.labels(self.worker_id).inc()
+        STEP_TIME.labels(self.worker_id).observe(seconds)
 
     async def _load_loop(self) -> None:
         while True:
             await self._expire(time.time())
-            report = load_report(self.worker_id, self.engine.stats(self.engine_now()),
+            report = load_report(self.worker_id, self.engine.stats(self.engine.now()),
                                  time.time(), self.cfg.backend, self.cfg.model, self.kv_seq)
             await self.bus.publish(self.bus.subjects.load(self.worker_id), report)
             await asyncio.sleep(self.cfg.load_interval_s)
@@ -407,36 +330,9 @@ class WorkerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
-        if self.cfg.time_scale != 1.0 and self.cfg.backend != "sim":
-            raise SystemExit("--time-scale applies to the sim backend only")
         policy = make_local_policy(self.cfg.local_policy)
-        if self.cfg.backend == "vllm":
-            engine = VllmEngine(VllmEngineConfig(model=self.cfg.model), policy)
-            stack.callback(engine.close)  # after the engine task is cancelled (LIFO)
-            try:
-                engine.start()
-            except VllmUnavailable as exc:
-                raise SystemExit(str(exc)) from exc
-            self.engine = engine
-        elif self.cfg.backend == "hf":  # real text: the engine detokenizes, as vllm does
-            loop = asyncio.get_running_loop()
-            tok = await loop.run_in_executor(None, TextTokenizer.load,
-                                             self.cfg.tokenizer_path or None)
-            engine = HfEngine(HfEngineConfig(), policy, tok)
-            if self.cfg.probe_model:  # TRAIL refinement: probe on the engine's hidden states
-                from prefixmesh.services.worker.refiner import attach_refiner
-
-                self.refiner = await loop.run_in_executor(None, attach_refiner, engine,
-                                                          self.cfg.probe_model)
-            stack.callback(engine.close)
-            await loop.run_in_executor(None, engine.load)
-            self.engine = engine
-        else:
-            loop = asyncio.get_running_loop()
-            self.tok = await loop.run_in_executor(None, TextTokenizer.load,
-                                                  self.cfg.tokenizer_path or None)
-            self.engine = SimEngine(self.cost, policy, SimEngineConfig(
-                output_token_pool=tuple(self.tok.word_token_ids(OUTPUT_POOL_SIZE))))
+        self.engine = await self._backend.open_engine(self.cfg, self.cost, policy)
+        stack.callback(self.engine.close)  # after the engine task is cancelled (LIFO)
         if self.cfg.mesh:  # before the tasks, so the bus closes after they are cancelled
             self.bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
                                          f"worker-{self.worker_id}")
@@ -445,13 +341,10 @@ class WorkerService:
         tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
         if self.bus is not None:
             await self._serve_bus(tasks)
-        engine_loop = (self.engine.run(self._emit, self._publish_kv)
-                       if isinstance(self.engine, VllmEngine | HfEngine) else self._engine_loop())
-        tasks.spawn(engine_loop, f"worker-{self.worker_id}-engine")
-        if self.cfg.http_port:
-            from prefixmesh.services.worker.http import serve_http  # aiohttp app, only when asked for
-
-            await serve_http(stack, self, self.cfg.http_host, self.cfg.http_port)
+        tasks.spawn(self.engine.run(self._emit, self._publish_kv, self._on_step),
+                     f"worker-{self.worker_id}-engine")
+        if self.front is not None:
+            await self.front(stack, self)
         log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,
                  self.cfg.model if self.cfg.backend == "vllm" else self.cfg.profile,
                  self.cfg.local_policy, self.engine.num_blocks)

@@ -15,7 +15,7 @@ from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
 from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import BUS_EVENT, RequestDoneEvent
+from prefixmesh.shared.wire import BUS_EVENT, RequestDoneEvent
 from prefixmesh.shared.subjects import Subjects
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

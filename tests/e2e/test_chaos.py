@@ -1,4 +1,4 @@
-"""Chaos: faults injected mid-load into the whole mesh as processes (DESIGN.md section 12).
+"""Chaos: faults injected mid-load into the whole mesh as processes (docs/design.md section 12).
 
 4 sim workers, an active and a standby scheduler, and this test's own nats-server (with a
 JetStream dir) and redis-server on free ports. A steady asyncio client sends a mix of
@@ -31,7 +31,7 @@ import aiohttp
 import pytest
 
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.servers import ManagedProcess, free_port, start_nats, start_redis
+from prefixmesh.shared.runtime.servers import ManagedProcess, free_port, start_nats, start_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -189,7 +189,7 @@ async def _inject(name: str, mesh: LocalMesh, servers: Servers, log: list[dict],
         entry.update(pid=active.pid, name=active.name)
     # Restarts block the client's loop for a moment, on purpose: a server started from an
     # executor thread would get SIGTERM when that thread exits (PR_SET_PDEATHSIG follows
-    # the parent thread, shared/servers.py).
+    # the parent thread, shared/runtime/servers.py).
     elif name == "restart nats-server":
         servers.nats.stop()
         servers.start_nats()

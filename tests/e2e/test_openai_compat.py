@@ -2,7 +2,7 @@
 mesh (sim workers): every parameter the edge claims, streamed and not, plus tenants.
 
 What the sim backend returns for logprobs and scores is deterministic pseudo-data
-(services/worker/sim_logprobs.py); these tests check shapes and invariants, not values.
+(services/worker/engine/sim_logprobs.py); these tests check shapes and invariants, not values.
 """
 
 from __future__ import annotations

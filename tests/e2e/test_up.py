@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from prefixmesh.shared.servers import free_port
+from prefixmesh.shared.runtime.servers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

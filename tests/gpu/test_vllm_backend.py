@@ -23,7 +23,7 @@ from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  #
 from prefixmesh.services.worker.engine.vllm_engine import VllmEngine, VllmEngineConfig  # noqa: E402
 from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
 from prefixmesh.shared.blocks import block_hashes  # noqa: E402
-from prefixmesh.shared.messages import BlockStored, KvEvent, SamplingParams  # noqa: E402
+from prefixmesh.shared.wire import BlockStored, KvEvent, SamplingParams  # noqa: E402
 from tests.helpers import eventually  # noqa: E402
 
 # vLLM and torch warn about their own internals; those are not ours to turn into errors.

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from prefixmesh.shared.batching import BatchServer
+from prefixmesh.services.predictor.batching import BatchServer
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     PREDICT_REQUEST,
     ErrorInfo,

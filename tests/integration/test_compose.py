@@ -25,7 +25,7 @@ import pytest
 import redis
 import yaml
 
-from prefixmesh.shared.servers import ManagedProcess, ServerNotFound, find_binary, free_port, wait_port
+from prefixmesh.shared.runtime.servers import ManagedProcess, ServerNotFound, find_binary, free_port, wait_port
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ INFRA = frozenset({"nats", "redis"})
 APP_SERVICES = frozenset({"tokenizer", "predictor", "scheduler", "worker", "metrics", "edge"})
 GPU_WORKER = "worker-gpu"
 # Services with an HTTP server of their own (and the env var of its port); every other app
-# service serves /health on PM_METRICS_PORT (shared/metrics.py).
+# service serves /health on PM_METRICS_PORT (shared/runtime/metrics.py).
 OWN_HTTP_PORT_VAR = {"edge": "PM_PORT", "metrics": "PM_PORT"}
 INTERNAL_HTTP_PORT_VAR = "PM_METRICS_PORT"
 EDGE_PORT = 8000
@@ -380,7 +380,7 @@ def test_service_image_is_slim_python_and_not_root() -> None:
     text = DOCKERFILE.read_text()
     assert "HEALTHCHECK" in text
     assert ".[servers]" in text
-    assert "prefixmesh.services.tokenizer.prepare" in text
+    assert "prefixmesh.shared.text.prepare" in text
 
 
 def test_vllm_image_is_pinned_and_runs_the_worker() -> None:

@@ -1,4 +1,4 @@
-"""A worker killed mid-request: the edge fails its requests over (DESIGN.md section 12).
+"""A worker killed mid-request: the edge fails its requests over (docs/design.md section 12).
 
 Two sim workers run as processes (so they can be SIGKILLed); the scheduler and the edge run
 in-process. Non-streamed requests complete on the surviving worker; a stream that already
@@ -20,8 +20,8 @@ from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.service import EdgeService
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import BUS_EVENT, LoadReportEvent
-from prefixmesh.shared.servers import ManagedProcess, child_env
+from prefixmesh.shared.wire import BUS_EVENT, LoadReportEvent
+from prefixmesh.shared.runtime.servers import ManagedProcess, child_env
 from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 

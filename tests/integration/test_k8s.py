@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 NAMESPACE = "prefixmesh"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
-# Ports the prefixmesh services serve /health and /metrics on (shared/metrics.py).
+# Ports the prefixmesh services serve /health and /metrics on (shared/runtime/metrics.py).
 APP_PORTS = {"edge": 8000, "metrics": 9100}
 INTERNAL_PORT = 9200
 

@@ -13,7 +13,7 @@ import pytest
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     ROUTE_REPLY,
     WORKER_REQUEST,
     AllBlocksCleared,

@@ -18,8 +18,8 @@ from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
-from prefixmesh.shared.messages import ROUTE_REPLY, RouteRequest
-from prefixmesh.shared.servers import ManagedProcess, child_env, free_port, start_redis
+from prefixmesh.shared.wire import ROUTE_REPLY, RouteRequest
+from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, free_port, start_redis
 from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
 

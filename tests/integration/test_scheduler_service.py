@@ -12,7 +12,7 @@ from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     ROUTE_REPLY,
     STREAM_EVENT,
     SUBMIT_REPLY,

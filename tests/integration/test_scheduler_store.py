@@ -14,7 +14,7 @@ from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.services.scheduler.store import StateStore, StoreLimits
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.messages import BlockRemoved, RequestDoneEvent
+from prefixmesh.shared.wire import BlockRemoved, RequestDoneEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

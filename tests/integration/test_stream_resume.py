@@ -9,7 +9,7 @@ import pytest
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     STREAM_EVENT,
     SUBMIT_REPLY,
     GenerateChunkEvent,
@@ -70,7 +70,6 @@ async def test_the_edge_recovers_events_it_missed_mid_stream(nats_server: str, p
     chunk shows a gap, the edge asks the worker to resend, and the caller gets every token
     exactly once, in order, then the done event."""
     from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
-    from prefixmesh.services.edge.schema import Sampling
 
     bus = await Bus.connect(nats_server, Subjects(prefix), "edge-resume-test")
     worker = WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix,
@@ -80,7 +79,7 @@ async def test_the_edge_recovers_events_it_missed_mid_stream(nats_server: str, p
     try:
         async with running(worker):
             sub = await bus.subscribe(inbox, STREAM_EVENT, mesh.streams.on_event)
-            sampling = Sampling(max_tokens=60, temperature=1.0, top_p=1.0, seed=None, stop=[],
+            sampling = SamplingParams(max_tokens=60, temperature=1.0, top_p=1.0, seed=None, stop=[],
                                 ignore_eos=True)
             got: list[int] = []
             done = []
@@ -108,7 +107,6 @@ async def test_after_a_reconnect_the_edge_fetches_a_lost_ending(nats_server: str
     was not subscribed. Nothing more arrives, so no gap shows; the edge's reconnect (its
     client's reconnect count) is what makes it ask the worker, which resends the rest."""
     from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
-    from prefixmesh.services.edge.schema import Sampling
 
     bus = await Bus.connect(nats_server, Subjects(prefix), "edge-reconnect-test")
     worker = WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix,
@@ -118,7 +116,7 @@ async def test_after_a_reconnect_the_edge_fetches_a_lost_ending(nats_server: str
     try:
         async with running(worker):
             sub = await bus.subscribe(inbox, STREAM_EVENT, mesh.streams.on_event)
-            sampling = Sampling(max_tokens=20, temperature=1.0, top_p=1.0, seed=None, stop=[],
+            sampling = SamplingParams(max_tokens=20, temperature=1.0, top_p=1.0, seed=None, stop=[],
                                 ignore_eos=True)
             got: list[int] = []
             done = []

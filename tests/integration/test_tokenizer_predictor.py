@@ -7,7 +7,7 @@ import pytest
 from prefixmesh.services.predictor.service import PredictorConfig, PredictorService
 from prefixmesh.services.tokenizer.service import TokenizerConfig, TokenizerService
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     TOKENIZER_REPLY,
     ChatMessage,

@@ -24,7 +24,7 @@ from prefixmesh.services.worker.engine.vllm_events import BlockTranslator, encod
 from prefixmesh.services.worker.kv_bridge import KvBridge, KvBridgeConfig
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.services.worker.local import make_local_policy
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
 from tests.helpers import eventually
 
 import zmq  # noqa: E402  (the [test] extra)

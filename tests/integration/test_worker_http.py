@@ -10,8 +10,9 @@ import aiohttp
 import pytest
 
 from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.http import serve_http
 from prefixmesh.services.worker.service import WorkerService
-from prefixmesh.shared.servers import free_port
+from prefixmesh.shared.runtime.servers import free_port
 from tests.helpers import eventually, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -25,7 +26,7 @@ async def http():
     port = free_port()
     cfg = WorkerConfig(mesh=False, http_port=port, worker_id="h0", local_policy="fcfs",
                        max_model_len=4096)
-    async with running(WorkerService(cfg)) as worker:
+    async with running(WorkerService(cfg, serve_http)) as worker:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
             yield session, worker
 
@@ -236,7 +237,7 @@ async def test_time_scale_paces_steps_k_times_slower() -> None:
     port = free_port()
     cfg = WorkerConfig(mesh=False, http_port=port, worker_id="h1", local_policy="fcfs",
                        max_model_len=4096, time_scale=4.0)
-    async with running(WorkerService(cfg)) as worker:
+    async with running(WorkerService(cfg, serve_http)) as worker:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
             t0 = asyncio.get_running_loop().time()

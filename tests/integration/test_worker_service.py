@@ -9,7 +9,7 @@ import pytest
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     BUS_EVENT,
     STREAM_EVENT,
     SUBMIT_REPLY,

@@ -13,11 +13,11 @@ from tests.helpers import need  # noqa: E402
 
 need("ml", "torch", "transformers")
 
-from prefixmesh.services.tokenizer.text import TextTokenizer  # noqa: E402
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E402
 from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
 from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
-from prefixmesh.shared.messages import BlockRemoved, BlockStored, ChatMessage, SamplingParams  # noqa: E402
+from prefixmesh.shared.wire import BlockRemoved, BlockStored, ChatMessage, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.ml, pytest.mark.slow, pytest.mark.timeout(300)]
 

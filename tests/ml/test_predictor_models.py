@@ -12,16 +12,10 @@ from tests.helpers import need  # noqa: E402
 need("ml", "torch", "transformers")
 import torch  # noqa: E402
 
-from prefixmesh.services.predictor.models import (  # noqa: E402
-    HEAD_HIDDEN,
-    PROBE_HIDDEN,
-    PredictorArtifact,
-    PromptEncoder,
-    mlp,
-    predict_proba,
-    train_classifier,
-)
-from prefixmesh.services.predictor.trail import LengthBins, expected_length  # noqa: E402
+from prefixmesh.shared.trail.artifact import HEAD_HIDDEN, PROBE_HIDDEN, PredictorArtifact, mlp, predict_proba  # noqa: E402
+from prefixmesh.services.predictor.encoder import PromptEncoder  # noqa: E402
+from prefixmesh.loadgen.predictor.fit import train_classifier  # noqa: E402
+from prefixmesh.shared.trail.lengths import LengthBins, expected_length  # noqa: E402
 
 pytestmark = pytest.mark.ml
 
@@ -65,7 +59,7 @@ def test_training_depends_on_the_seed_alone() -> None:
 
 
 def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path) -> None:
-    from prefixmesh.services.predictor.trail import STEP_FEATURE_DIM, probe_input
+    from prefixmesh.shared.trail.lengths import STEP_FEATURE_DIM, probe_input
     from prefixmesh.services.worker.refiner import Refiner
 
     bins = LengthBins.make(4, 400)

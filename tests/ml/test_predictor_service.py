@@ -17,11 +17,11 @@ from tests.helpers import need  # noqa: E402
 need("ml", "torch", "transformers")
 
 from prefixmesh.services.predictor.serving import prompt_text  # noqa: E402
-from prefixmesh.services.predictor.trail import LengthBins, expected_length  # noqa: E402
+from prefixmesh.shared.trail.lengths import LengthBins, expected_length  # noqa: E402
 from prefixmesh.services.predictor.service import PredictorConfig, PredictorService  # noqa: E402
-from prefixmesh.services.tokenizer.text import TextTokenizer  # noqa: E402
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.shared.bus import Bus  # noqa: E402
-from prefixmesh.shared.messages import PREDICT_REPLY, ChatMessage, PredictLengthRequest  # noqa: E402
+from prefixmesh.shared.wire import PREDICT_REPLY, ChatMessage, PredictLengthRequest  # noqa: E402
 from prefixmesh.shared.subjects import Subjects  # noqa: E402
 from tests.helpers import running  # noqa: E402
 from tests.ml.tiny_artifact import LONG, SHORT, build  # noqa: E402
@@ -126,7 +126,7 @@ async def test_malformed_requests_get_error_replies(bus: Bus, nats_server, prefi
 
 
 def test_static_serving_encoder_matches_the_training_encoder() -> None:
-    from prefixmesh.services.predictor.models import PromptEncoder
+    from prefixmesh.services.predictor.encoder import PromptEncoder
     from prefixmesh.services.predictor.serving import StaticEncoder
 
     enc = PromptEncoder(threads=1, mode="static")

@@ -14,14 +14,14 @@ from tests.helpers import need  # noqa: E402
 
 need("ml", "torch", "transformers")
 
-from prefixmesh.services.predictor.models import predict_proba  # noqa: E402
-from prefixmesh.services.predictor.trail import LengthBins  # noqa: E402
-from prefixmesh.services.tokenizer.text import TextTokenizer  # noqa: E402
+from prefixmesh.shared.trail.artifact import predict_proba  # noqa: E402
+from prefixmesh.shared.trail.lengths import LengthBins  # noqa: E402
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E402
 from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
 from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
 from prefixmesh.services.worker.refiner import Refiner, attach_refiner, seed_distribution  # noqa: E402
-from prefixmesh.shared.messages import LengthDistribution, SamplingParams  # noqa: E402
+from prefixmesh.shared.wire import LengthDistribution, SamplingParams  # noqa: E402
 from tests.ml.tiny_artifact import HIDDEN, LAYER, TOKENS_PER_UPDATE, build  # noqa: E402
 
 pytestmark = [pytest.mark.ml, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -35,7 +35,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_numpy_probe_matches_torch(artifact: Path) -> None:
-    from prefixmesh.services.predictor.models import PredictorArtifact
+    from prefixmesh.shared.trail.artifact import PredictorArtifact
 
     art = PredictorArtifact.load(artifact)
     refiner = Refiner.load(artifact)
@@ -66,7 +66,7 @@ def test_total_length_target_comes_from_the_artifact(artifact: Path, tmp_path: P
     import json
     import shutil
 
-    from prefixmesh.services.predictor.trail import remaining_given_running
+    from prefixmesh.shared.trail.lengths import remaining_given_running
 
     assert Refiner.load(artifact).target == "remaining"  # TRAIL's when the artifact says none
     total = tmp_path / "total"

@@ -26,9 +26,9 @@ import transformers  # noqa: E402
 
 from tokenizers import Tokenizer, pre_tokenizers  # noqa: E402
 
-from prefixmesh.services.tokenizer.gguf_vocab import ensure_default_tokenizer, find_smollm2_gguf  # noqa: E402
-from prefixmesh.services.tokenizer.text import TextTokenizer  # noqa: E402
-from prefixmesh.shared.messages import ChatMessage  # noqa: E402
+from prefixmesh.shared.text.gguf_vocab import ensure_default_tokenizer, find_smollm2_gguf  # noqa: E402
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
+from prefixmesh.shared.wire import ChatMessage  # noqa: E402
 
 pytestmark = pytest.mark.ml
 

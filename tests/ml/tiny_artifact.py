@@ -11,15 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixmesh.services.predictor.models import (
-    HEAD_HIDDEN,
-    PROBE_HIDDEN,
-    PredictorArtifact,
-    PromptEncoder,
-    mlp,
-    train_classifier,
-)
-from prefixmesh.services.predictor.trail import LengthBins
+from prefixmesh.shared.trail.artifact import HEAD_HIDDEN, PROBE_HIDDEN, PredictorArtifact, mlp
+from prefixmesh.services.predictor.encoder import PromptEncoder
+from prefixmesh.loadgen.predictor.fit import train_classifier
+from prefixmesh.shared.trail.lengths import LengthBins
 
 SHORT = ["Say yes or no: is water wet?", "What is 2+2?", "Reply with one word: hello.",
          "Is the sky blue? Answer yes or no.", "Give me a number between 1 and 9.",

@@ -9,7 +9,7 @@ from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
 from prefixmesh.services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from prefixmesh.services.edge.batch_format import (
     output_line,
     parse_lines,
 )
-from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError
 
 pytestmark = pytest.mark.unit
 

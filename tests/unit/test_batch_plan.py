@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prefixmesh.shared.batch_plan import (
+from prefixmesh.services.edge.batch_plan import (
     PrefixGroup,
     PrefixTree,
     computed_tokens,

@@ -6,7 +6,7 @@ import pytest
 
 from prefixmesh.services.worker.engine.block_cache import BlockCache
 from prefixmesh.shared.blocks import block_hashes
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 pytestmark = pytest.mark.unit
 

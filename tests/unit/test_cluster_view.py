@@ -7,8 +7,8 @@ import pytest
 
 from prefixmesh.services.metrics.cluster import FORGET_AFTER_S, HISTORY_WINDOW_S, ClusterView, percentile
 from prefixmesh.services.scheduler.stats import hot_prefixes
-from prefixmesh.shared.messages import LoadReportEvent, RequestDoneEvent, SchedulerStatsEvent
-from prefixmesh.shared.prefix_tree import PrefixTree
+from prefixmesh.shared.wire import LoadReportEvent, RequestDoneEvent, SchedulerStatsEvent
+from prefixmesh.services.scheduler.prefix_tree import PrefixTree
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Cost-model profiles: the published fits, evaluated as DESIGN.md section 9 states."""
+"""Cost-model profiles: the published fits, evaluated as docs/design.md section 9 states."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""E2 (DESIGN.md s.5): exploit, explore, prefill/decode balancing, the load cost L + M + P,
+"""E2 (docs/design.md section 5): exploit, explore, prefill/decode balancing, the load cost L + M + P,
 rebalancing, hot-prefix replication, KV-event feedback and snapshots."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from prefixmesh.services.scheduler.policies.base import NoWorkerError, PolicyCon
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     AllBlocksCleared,
     BlockRemoved,
     LoadReportEvent,

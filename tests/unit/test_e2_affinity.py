@@ -9,7 +9,7 @@ import pytest
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.messages import BlockRemoved
+from prefixmesh.shared.wire import BlockRemoved
 from tests.unit.test_e2 import COST, make, req, toks
 
 pytestmark = pytest.mark.unit
@@ -96,7 +96,7 @@ def others_than(p: E2Policy, keep: str) -> set[str]:
 
 
 def _report(p: E2Policy, w: str, step_s: float, now: float) -> None:
-    from prefixmesh.shared.messages import LoadReportEvent
+    from prefixmesh.shared.wire import LoadReportEvent
 
     p.on_load(LoadReportEvent(worker_id=w, ts=now, avg_step_s=step_s), now)
 
@@ -136,7 +136,7 @@ def test_inflight_aging_recharges_a_generation_that_outlives_its_estimate() -> N
         else:
             assert entry.out_est == 10.0 and p.worker_state(w).L == pytest.approx(charged)
         # The completion record still sets the exact charge.
-        from prefixmesh.shared.messages import RequestDoneEvent
+        from prefixmesh.shared.wire import RequestDoneEvent
 
         p.on_done(RequestDoneEvent(request_id="long", worker_id=w, prompt_tokens=64,
                                    cached_tokens=0, completion_tokens=30), 1.5)
@@ -147,7 +147,7 @@ def test_inflight_aging_steers_new_work_off_a_worker_busy_with_long_generations(
     # w0 and w1 each got two requests estimated at 10 tokens; w1's finished with 10
     # tokens, w0's are still running 30 s later (long generations). With aging w0 costs
     # more and the next cold request avoids it; without it, L cannot tell them apart.
-    from prefixmesh.shared.messages import RequestDoneEvent
+    from prefixmesh.shared.wire import RequestDoneEvent
 
     for factor in (2.0, 0.0):
         p = make(2, PolicyConfig(inflight_aging=factor, imbalance_ratio=1.1))
@@ -196,7 +196,7 @@ def test_prefill_backlog_prefers_the_worker_whose_prefill_is_behind_it() -> None
 
 
 def test_pd_balancing_skips_a_worker_still_prefilling_what_it_got_since_its_report() -> None:
-    from prefixmesh.shared.messages import LoadReportEvent
+    from prefixmesh.shared.wire import LoadReportEvent
 
     p = make(4, PolicyConfig(imbalance_ratio=0.5))
     for i in range(4):
@@ -220,7 +220,7 @@ def test_pd_balancing_skips_a_worker_still_prefilling_what_it_got_since_its_repo
 
 
 def test_interference_keeps_cold_prefills_off_a_worker_with_a_big_running_batch() -> None:
-    from prefixmesh.shared.messages import LoadReportEvent
+    from prefixmesh.shared.wire import LoadReportEvent
 
     for weight in (0.5, 0.0):
         p = make(2, PolicyConfig(interference_weight=weight, imbalance_ratio=1.1))

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from prefixmesh.services.edge.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.services.edge.stops import StopMatcher
 from prefixmesh.services.edge.tenants import Admission, ApiKeys, TenantLimits, TokenBucket, bearer_key
-from prefixmesh.services.worker.sim_logprobs import candidate_logprobs, scored_token, token_logprobs
+from prefixmesh.services.worker.engine.sim_logprobs import candidate_logprobs, scored_token, token_logprobs
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.prefix_tree import PrefixTree
+from prefixmesh.services.scheduler.prefix_tree import PrefixTree
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from prefixmesh.services.worker.engine.types import (
 from prefixmesh.services.worker.local import FcfsPolicy, PrefixFairPolicy
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 pytestmark = pytest.mark.unit
 

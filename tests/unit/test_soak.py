@@ -2,7 +2,7 @@
 
 import pytest
 
-from prefixmesh.services.soak import capacity, growth, metric_sum, warmup_end
+from prefixmesh.loadgen.soak import capacity, growth, metric_sum, warmup_end
 
 pytestmark = pytest.mark.unit
 

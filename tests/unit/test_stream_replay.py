@@ -3,7 +3,7 @@
 import pytest
 
 from prefixmesh.services.worker.replay import FinishedJournals, StreamJournal
-from prefixmesh.shared.messages import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
+from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefixmesh.shared.config import CommonConfig, add_arguments, from_sources, option
+from prefixmesh.shared.runtime.config import CommonConfig, add_arguments, from_sources, option
 from prefixmesh.shared.subjects import Subjects
 
 pytestmark = pytest.mark.unit

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.services.tokenizer import gguf_vocab, prepare
-from prefixmesh.services.tokenizer.gguf_vocab import (
+from prefixmesh.shared.text import gguf_vocab, prepare
+from prefixmesh.shared.text.gguf_vocab import (
     BUILDER_VERSION,
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -19,14 +19,14 @@ from prefixmesh.services.tokenizer.gguf_vocab import (
     is_cache_fresh,
 )
 from prefixmesh.services.tokenizer.logic import handle
-from prefixmesh.services.tokenizer.text import (
+from prefixmesh.shared.text.tokenizer import (
     REPLACEMENT_CHAR,
     SMOLLM2_CHAT_TEMPLATE,
     SMOLLM2_DEFAULT_SYSTEM_PROMPT,
     IncrementalDetokenizer,
     TextTokenizer,
 )
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     ChatMessage,
     DetokenizeReply,
     DetokenizeRequest,

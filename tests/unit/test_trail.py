@@ -1,11 +1,11 @@
-"""TRAIL's bins and Bayesian update against hand-computed cases (services/predictor/trail.py)."""
+"""TRAIL's bins and Bayesian update against hand-computed cases (shared/trail/lengths.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from prefixmesh.services.predictor.trail import (
+from prefixmesh.shared.trail.lengths import (
     LengthBins,
     Smoother,
     bayes_update,
@@ -182,7 +182,7 @@ def test_forgetting_smoother_follows_evidence_faster() -> None:
 
 
 def test_refine_runs_one_smoother_per_request_in_step_order() -> None:
-    from prefixmesh.services.predictor.train import refine
+    from prefixmesh.loadgen.predictor.train import refine
 
     init = np.array([[0.5, 0.5], [0.0, 1.0]])
     probs = np.array([[0.2, 0.8], [0.9, 0.1], [0.9, 0.1]])
@@ -201,7 +201,7 @@ def test_refine_runs_one_smoother_per_request_in_step_order() -> None:
 
 
 def test_train_epochs_argument_is_auto_or_a_positive_count() -> None:
-    from prefixmesh.services.predictor.train import build_parser
+    from prefixmesh.loadgen.predictor.train import build_parser
 
     parse = build_parser().parse_args
     assert parse(["train", "--out", "a"]).epochs == "auto"
@@ -212,7 +212,7 @@ def test_train_epochs_argument_is_auto_or_a_positive_count() -> None:
 
 
 def test_generated_reply_is_cut_after_its_first_end_token() -> None:
-    from prefixmesh.services.predictor.data import _cut_at_end
+    from prefixmesh.loadgen.predictor.data import _cut_at_end
 
     assert _cut_at_end([5, 6, 2, 2, 2]) == [5, 6, 2]  # <|im_end|>, then padding
     assert _cut_at_end([5, 0, 7]) == [5, 0]  # <|endoftext|>
@@ -220,7 +220,7 @@ def test_generated_reply_is_cut_after_its_first_end_token() -> None:
 
 
 def test_hidden_state_cache_key_tells_model_replies_apart() -> None:
-    from prefixmesh.services.predictor.data import Sample, _chunk_key
+    from prefixmesh.loadgen.predictor.data import Sample, _chunk_key
 
     share = [Sample(3, "p", [1, 2], [4, 5, 2])]
     same_lengths = [Sample(3, "p", [1, 2], [8, 9, 2], "model")]
@@ -232,7 +232,7 @@ def test_hidden_state_cache_key_tells_model_replies_apart() -> None:
 
 
 def test_remaining_median_reads_only_the_replies_still_running() -> None:
-    from prefixmesh.services.predictor.train import remaining_median
+    from prefixmesh.loadgen.predictor.train import remaining_median
 
     lengths = np.array([10, 20, 30, 100])
     got = remaining_median(lengths, np.array([0, 15, 25, 50, 100, 15]))
@@ -242,7 +242,7 @@ def test_remaining_median_reads_only_the_replies_still_running() -> None:
 
 
 def test_probe_input_appends_repeated_step_features() -> None:
-    from prefixmesh.services.predictor.trail import STEP_REPEAT, STEP_SCALE, probe_input
+    from prefixmesh.shared.trail.lengths import STEP_REPEAT, STEP_SCALE, probe_input
 
     h = np.ones((3, 4))
     assert probe_input(h, np.array([0, 1, 2]), False).shape == (3, 4)

@@ -25,7 +25,7 @@ from prefixmesh.services.worker.engine.vllm_events import (
     encode_seq,
 )
 from prefixmesh.shared.blocks import block_hashes, tenant_salt
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 pytestmark = pytest.mark.unit
 

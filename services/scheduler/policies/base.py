@@ -1,4 +1,4 @@
-"""The global-policy interface: inputs, decisions, configuration (DESIGN.md s.5).
+"""The global-policy interface: inputs, decisions, configuration (docs/design.md section 5).
 
 Policies are pure: no asyncio, no I/O, no clock. The scheduler service (or the cluster
 simulator) passes ``now`` in seconds on one monotonic clock; snapshots store times
@@ -13,8 +13,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
-from prefixmesh.shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
-from prefixmesh.shared.prefix_tree import Node
+from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
+from prefixmesh.services.scheduler.prefix_tree import Node
 
 
 class NoWorkerError(RuntimeError):
@@ -48,7 +48,7 @@ class Decision(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Every knob of every global policy, with units. Defaults follow DESIGN.md s.5 and the
+    """Every knob of every global policy, with units. Defaults follow docs/design.md section 5 and the
     projects the baselines come from."""
 
     # ---------------------------------------------------------------- E2 (Preble)

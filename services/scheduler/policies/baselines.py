@@ -1,4 +1,4 @@
-"""Baseline global policies for side-by-side comparison (DESIGN.md s.5, table).
+"""Baseline global policies for side-by-side comparison (docs/design.md section 5, baseline policies).
 
 Load-only and affinity-only rules live here; the cache-aware peers (SGLang's
 ``cache_aware``, Dynamo's ``kv_cost``, llm-d's ``weighted``) in ``baselines_cache``.

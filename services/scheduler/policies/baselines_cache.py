@@ -1,4 +1,4 @@
-"""Cache-aware baseline policies, as their projects ship them (DESIGN.md s.5, table).
+"""Cache-aware baseline policies, as their projects ship them (docs/design.md section 5, baseline policies).
 
 - ``cache_aware`` (SGLang router): load guard first, then the longest cached match.
 - ``kv_cost`` (NVIDIA Dynamo KV router): prefill blocks not cached + active blocks, argmin.
@@ -17,8 +17,8 @@ import random
 from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
 from prefixmesh.services.scheduler.policies.tracking import GPU_MEDIA, BaselinePolicy
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from prefixmesh.shared.prefix_tree import Node
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.services.scheduler.prefix_tree import Node
 
 # Scores closer than this are ties (broken at random, as the peers do).
 _TIE_EPS = 1e-9

@@ -65,7 +65,7 @@ class CostTables:
     def dt(self, context_tokens: int) -> float:
         """DT: seconds one more sequence of this context adds to a batched decode step.
 
-        The GPU cost of one output token under continuous batching (DESIGN.md s.5: the
+        The GPU cost of one output token under continuous batching (docs/design.md section 5: the
         sequential per-token time would make L count requests, not GPU work).
         """
         b = context_tokens // self.block if context_tokens > 0 else 0

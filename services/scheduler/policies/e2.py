@@ -1,5 +1,5 @@
 """Preble's E2 global policy, with GPU-time load estimates, the eviction term and working
-replication (DESIGN.md s.5).
+replication (docs/design.md section 5).
 
 For request R: ``cached`` = tokens of the deepest matched tree node that an eligible
 worker caches, ``missed`` = prompt - cached.
@@ -39,7 +39,7 @@ from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, WorkerSta
 from prefixmesh.services.scheduler.policies.e2_replicate import Replicator
 from prefixmesh.services.scheduler.policies.tracking import GPU_MEDIA
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.messages import (
+from prefixmesh.shared.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -47,7 +47,7 @@ from prefixmesh.shared.messages import (
     LoadReportEvent,
     RequestDoneEvent,
 )
-from prefixmesh.shared.prefix_tree import Node, PrefixTree
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 
 _LOAD = attrgetter("L")
 
@@ -455,19 +455,23 @@ class E2Policy:
 
     # ------------------------------------------------------------------ persistence
 
+    def _parts(self) -> e2_state.E2Parts:
+        return e2_state.E2Parts(self.tree, self._ws, self._decode_heavy, self.window,
+                                self.replicator, self.cfg.window_s)
+
     def _clock(self, now: float) -> None:
         if self._rebase:
-            e2_state.rebase(self, now)
+            e2_state.rebase(self._parts(), now)
             self._rebase = False
         self._now = now
 
     def snapshot(self) -> bytes:
         """Tree, window, workers and replica sets as msgpack (times relative to the last now)."""
-        return e2_state.dump(self)
+        return e2_state.dump(self._parts(), self._now)
 
     def restore(self, data: bytes) -> None:
         """Replace the state by a ``snapshot()``; times are rebased on the next call."""
-        e2_state.load(self, data)
+        e2_state.load(self._parts(), data)
         self._rebase = True
 
     # ------------------------------------------------------------------ incremental persistence
@@ -499,17 +503,17 @@ class E2Policy:
 
     def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
         """One window-log segment and its newest time (epoch)."""
-        return e2_state.encode_log(self, items, offset)
+        return e2_state.encode_log(self._parts(), items, offset)
 
     def encode_meta(self, offset: float) -> bytes:
         """Workers and replica sets."""
-        return e2_state.encode_meta(self, offset)
+        return e2_state.encode_meta(self._parts(), offset)
 
     def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
                        offset: float, now: float) -> None:
         """Replace the state by persisted pieces; ``offset`` maps their times onto ``now``'s
         clock."""
-        e2_state.load_incremental(self, meta, nodes, segments, offset, now)
+        e2_state.load_incremental(self._parts(), meta, nodes, segments, offset, now)
         self._size_tree()
         self._rebase = False
         self._now = now

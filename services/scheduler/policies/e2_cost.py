@@ -6,7 +6,7 @@
   through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
   most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
 - ``P``: ``PT(tokens of R not cached on the worker)``.
-- Prefill backlog (added to ``L``; not in DESIGN.md's formula; default weight 1.0): weight x
+- Prefill backlog (added to ``L``; not in Preble's formula; default weight 1.0): weight x
   the seconds until the prefills already routed to the worker would be done, run one
   after another from their assignment (``WorkerState.busy_until``). ``L`` is work over
   the whole window, so a worker that prefilled a long prompt two minutes ago and one
@@ -14,7 +14,7 @@
 - Interference (default 0.5): weight x P x the worker's running sequences (latest
   load report). Under chunked prefill, R's prefill lengthens every step of the requests
   already decoding there, each by about P in total.
-- Decode pressure (added to ``L``; not in DESIGN.md's formula): R's expected output tokens
+- Decode pressure (added to ``L``; not in Preble's formula): R's expected output tokens
   x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
   prices decode as the marginal cost of one more sequence in a batch, which makes a worker
   busy with long generations look cheap; every output token of R will wait one of its
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from prefixmesh.services.scheduler.policies.costs import CostTables
 from prefixmesh.services.scheduler.policies.e2_load import WorkerState
-from prefixmesh.shared.prefix_tree import Node, PrefixTree
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 
 
 class LoadCost:

@@ -1,7 +1,7 @@
 """E2's load accounting: per-worker windowed GPU work ``L`` and the overload signals.
 
 ``L_i`` = sum over requests routed to worker ``i`` in the last ``H`` seconds of
-``PT(missed_r) + DT * output_r`` (DESIGN.md s.5), in estimated GPU seconds. It is kept
+``PT(missed_r) + DT * output_r`` (docs/design.md section 5), in estimated GPU seconds. It is kept
 incrementally: added when a request is assigned, corrected when its completion record
 reports the real output length, subtracted when it leaves the window. The window is never
 rescanned: expiry pops from the front of a deque ordered by assignment time.
@@ -14,8 +14,8 @@ from collections import deque
 import msgspec
 
 from prefixmesh.services.scheduler.policies.costs import CostTables
-from prefixmesh.shared.messages import RequestDoneEvent
-from prefixmesh.shared.prefix_tree import Node, PrefixTree
+from prefixmesh.shared.wire import RequestDoneEvent
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 
 # Completion records whose output counts towards the windowed average output length.
 _FINISHED = frozenset({"stop", "length"})

@@ -1,4 +1,4 @@
-"""E2's hot-prefix replication (Preble's "autoscale a prefix", DESIGN.md s.5).
+"""E2's hot-prefix replication (Preble's "autoscale a prefix", docs/design.md section 5).
 
 A prefix is hot on a worker when one tree node carries a large share of that worker's
 window requests. When such a worker is still overloaded after route-time rebalancing
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.policies.e2_load import WorkerState
-from prefixmesh.shared.prefix_tree import Node, PrefixTree
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 
 
 class Replica:

@@ -8,18 +8,30 @@ ones every 250 ms.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import msgspec
 
-from prefixmesh.services.scheduler.policies.e2_load import WindowEntry, WorkerState
-from prefixmesh.services.scheduler.policies.e2_replicate import Replica
-from prefixmesh.shared.prefix_tree import Node, TreeState
-
-if TYPE_CHECKING:
-    from prefixmesh.services.scheduler.policies.e2 import E2Policy
+from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, WindowEntry, WorkerState
+from prefixmesh.services.scheduler.policies.e2_replicate import Replica, Replicator
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree, TreeState
 
 VERSION = 1
+
+
+@dataclass(slots=True)
+class E2Parts:
+    """The parts of E2's state that persist, handed over by the policy (which this module
+    does not know): loading fills them in place."""
+
+    tree: PrefixTree
+    workers: dict[str, WorkerState]
+    # Workers marked decode-heavy (not persisted: cleared on load).
+    decode_heavy: set[str]
+    window: LoadWindow
+    replicator: Replicator
+    # The load window's length H (seconds): older log entries are dropped on load.
+    window_s: float
 _NONE = -2  # node reference meaning "no node"
 
 
@@ -59,10 +71,9 @@ _DECODER = msgspec.msgpack.Decoder(E2State)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def dump(policy: E2Policy) -> bytes:
-    """Encode the policy's state (times relative to its last ``now``)."""
-    ref = policy._now
-    tree_state, ids = policy.tree.dump_state(ref)
+def dump(parts: E2Parts, ref: float) -> bytes:
+    """Encode the state, times relative to ``ref`` (the policy's last ``now``)."""
+    tree_state, ids = parts.tree.dump_state(ref)
 
     def ref_of(node: Node | None) -> int:
         if node is None:
@@ -75,28 +86,28 @@ def dump(policy: E2Policy) -> bytes:
         version=VERSION,
         tree=tree_state,
         workers=[
-            WorkerRec(ws.id, ws.capacity_blocks) for ws in policy._ws.values()
+            WorkerRec(ws.id, ws.capacity_blocks) for ws in parts.workers.values()
         ],
         window=[
             EntryRec(e.t - ref, e.ws.id, e.cost, ref_of(e.leaf), e.rid, e.dt_tok, e.out_est)
-            for e in policy.window.entries
+            for e in parts.window.entries
         ],
-        outputs=[(t - ref, n) for t, n in policy.window.outputs],
+        outputs=[(t - ref, n) for t, n in parts.window.outputs],
         replicas=[
             ReplicaRec(ids[n], list(r.pending), list(r.added), r.changed - ref, r.peak)
-            for n, r in policy.replicator.entries.items()
+            for n, r in parts.replicator.entries.items()
             if n.alive
         ],
     )
     return _ENCODER.encode(state)
 
 
-def load(policy: E2Policy, data: bytes) -> None:
-    """Replace the policy's state by ``data`` (times stay relative until ``rebase``)."""
+def load(parts: E2Parts, data: bytes) -> None:
+    """Replace the state by ``data`` (times stay relative until ``rebase``)."""
     state = _DECODER.decode(data)
     if state.version != VERSION:
         raise ValueError(f"unsupported E2 snapshot version {state.version}")
-    tree = policy.tree
+    tree = parts.tree
     nodes = tree.load_state(state.tree, 0.0)
 
     def node_at(i: int) -> Node | None:
@@ -104,19 +115,19 @@ def load(policy: E2Policy, data: bytes) -> None:
             return None
         return tree.root if i < 0 else nodes[i]
 
-    policy._ws = {}
-    policy._decode_heavy = set()
+    parts.workers.clear()
+    parts.decode_heavy.clear()
     for rec in state.workers:
         ws = WorkerState(rec.id, rec.capacity_blocks)
-        policy._ws[rec.id] = ws
+        parts.workers[rec.id] = ws
         tree.add_worker(rec.id)
-    window = policy.window
+    window = parts.window
     window.light = None
     window.entries.clear()
     window.by_rid.clear()
     gone: dict[str, WorkerState] = {}  # workers removed before the snapshot
     for er in state.window:
-        ws = policy._ws.get(er.worker)
+        ws = parts.workers.get(er.worker)
         if ws is None:
             ws = gone.get(er.worker)
             if ws is None:
@@ -132,7 +143,7 @@ def load(policy: E2Policy, data: bytes) -> None:
     window.outputs.clear()
     window.outputs.extend((t, n) for t, n in state.outputs)
     window.out_sum = sum(n for _, n in state.outputs)
-    rep = policy.replicator
+    rep = parts.replicator
     rep.entries = {}
     for rr in state.replicas:
         r = Replica(rr.changed, rr.peak)
@@ -141,11 +152,11 @@ def load(policy: E2Policy, data: bytes) -> None:
         rep.entries[nodes[rr.node]] = r
 
 
-def rebase(policy: E2Policy, now: float) -> None:
+def rebase(parts: E2Parts, now: float) -> None:
     """Shift every restored (relative) time onto the caller's clock."""
-    policy.tree.shift_times(now)
-    policy.window.shift(now)
-    for r in policy.replicator.entries.values():
+    parts.tree.shift_times(now)
+    parts.window.shift(now)
+    for r in parts.replicator.entries.values():
         r.changed += now
 
 
@@ -175,27 +186,27 @@ _META_DECODER = msgspec.msgpack.Decoder(E2Meta)
 _SEGMENT_DECODER = msgspec.msgpack.Decoder(SegmentRec)
 
 
-def _nid(policy: E2Policy, node: Node) -> int:
+def _nid(parts: E2Parts, node: Node) -> int:
     while not node.alive:  # pruned since: its alive ancestor carries the counts
         node = node.parent  # type: ignore[assignment]
-    return -1 if node is policy.tree.root else node.nid
+    return -1 if node is parts.tree.root else node.nid
 
 
-def encode_meta(policy: E2Policy, offset: float) -> bytes:
+def encode_meta(parts: E2Parts, offset: float) -> bytes:
     """Workers and replica sets (small: written whole on every flush)."""
     return _ENCODER.encode(E2Meta(
         version=VERSION,
-        workers=[WorkerRec(ws.id, ws.capacity_blocks) for ws in policy._ws.values()],
+        workers=[WorkerRec(ws.id, ws.capacity_blocks) for ws in parts.workers.values()],
         replicas=[
             ReplicaRec(n.nid, list(r.pending), list(r.added), r.changed + offset, r.peak)
-            for n, r in policy.replicator.entries.items()
+            for n, r in parts.replicator.entries.items()
             if n.alive
         ],
-        next_nid=policy.tree.next_nid,
+        next_nid=parts.tree.next_nid,
     ))
 
 
-def encode_log(policy: E2Policy, items: list, offset: float) -> tuple[bytes, float]:
+def encode_log(parts: E2Parts, items: list, offset: float) -> tuple[bytes, float]:
     """One log segment from window-journal items; returns it and its newest time (epoch)."""
     entries = []
     outputs = []
@@ -203,7 +214,7 @@ def encode_log(policy: E2Policy, items: list, offset: float) -> tuple[bytes, flo
     for it in items:
         if isinstance(it, WindowEntry):
             t = it.t + offset
-            entries.append(EntryRec(t, it.ws.id, it.cost, _nid(policy, it.leaf), it.rid,
+            entries.append(EntryRec(t, it.ws.id, it.cost, _nid(parts, it.leaf), it.rid,
                                     it.dt_tok, it.out_est))
         else:
             t = it[0] + offset
@@ -214,14 +225,14 @@ def encode_log(policy: E2Policy, items: list, offset: float) -> tuple[bytes, flo
 
 
 def load_incremental(
-    policy: E2Policy,
+    parts: E2Parts,
     meta: bytes,
     nodes: list[bytes],
     segments: list[bytes],
     offset: float,
     now: float,
 ) -> None:
-    """Replace the policy's state by persisted pieces (times + ``offset`` = own clock).
+    """Replace the state by persisted pieces (times + ``offset`` = own clock).
 
     Window entries are deduplicated by request id (a later record corrects the cost),
     entries older than the window dropped, the rest ordered by time.
@@ -229,15 +240,15 @@ def load_incremental(
     m = _META_DECODER.decode(meta)
     if m.version != VERSION:
         raise ValueError(f"unsupported E2 state version {m.version}")
-    tree = policy.tree
+    tree = parts.tree
     by_id = tree.load_records(nodes, offset, m.next_nid)
-    policy._ws = {}
-    policy._decode_heavy = set()
+    parts.workers.clear()
+    parts.decode_heavy.clear()
     for rec in m.workers:
-        policy._ws[rec.id] = WorkerState(rec.id, rec.capacity_blocks)
+        parts.workers[rec.id] = WorkerState(rec.id, rec.capacity_blocks)
         tree.add_worker(rec.id)
-    cut = now - policy.cfg.window_s
-    window = policy.window
+    cut = now - parts.window_s
+    window = parts.window
     window.light = None
     window.entries.clear()
     window.by_rid.clear()
@@ -256,7 +267,7 @@ def load_incremental(
             if e is not None:  # a correction of an entry seen before
                 e.cost, e.out_est = er.cost, er.out_est
                 continue
-            ws = policy._ws.get(er.worker) or gone.get(er.worker)
+            ws = parts.workers.get(er.worker) or gone.get(er.worker)
             if ws is None:
                 ws = gone[er.worker] = WorkerState(er.worker, 0)
                 ws.alive = False
@@ -277,7 +288,7 @@ def load_incremental(
     window.outputs.clear()
     window.outputs.extend(outputs)
     window.out_sum = sum(n for _, n in outputs)
-    rep = policy.replicator
+    rep = parts.replicator
     rep.entries = {}
     for rr in m.replicas:
         node = by_id.get(rr.node)

@@ -14,8 +14,8 @@ import msgspec
 
 from prefixmesh.services.scheduler.policies.base import Changes, NoWorkerError, PolicyConfig, RouteInput
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.messages import KvEvent, LoadReportEvent, RequestDoneEvent
-from prefixmesh.shared.prefix_tree import Node, PrefixTree, TreeState
+from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree, TreeState
 
 VERSION = 1
 # KV events about these media concern the GPU prefix cache routers care about (vLLM marks

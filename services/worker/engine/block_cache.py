@@ -17,7 +17,7 @@ evictable before its parent, and hits touch parents together with children. Dupl
 never cached: a request that completes a block whose hash is already cached swaps its own
 block for the cached one (vLLM V0 did the same).
 
-Every change is queued as a KV event in vLLM's schema (prefixmesh.shared.messages), in order;
+Every change is queued as a KV event in vLLM's schema (prefixmesh.shared.wire), in order;
 evictions between two other events are merged into one BlockRemoved.
 """
 
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from prefixmesh.shared.blocks import chain_runs
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 
 class BlockCache:

@@ -1,4 +1,4 @@
-"""The ``hf`` backend: a real model (SmolLM2-135M-Instruct) on CPU with transformers (DESIGN s.7).
+"""The ``hf`` backend: a real model (SmolLM2-135M-Instruct) on CPU with transformers (docs/design.md section 7).
 
 Requests wait in the local policy; admitted ones run interleaved, one forward pass each in
 turn (a prompt chunk of up to ``prefill_chunk`` tokens, or one decode token), so a long
@@ -25,16 +25,20 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from prefixmesh.services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
+from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 from prefixmesh.services.worker.engine.block_cache import BlockCache
-from prefixmesh.services.worker.engine.hf_model import KvPool, load_model
+from prefixmesh.services.worker.engine.kv_pool import KvPool
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
+from prefixmesh.shared.smollm2 import load_model
+from prefixmesh.shared.smollm2 import missing_dependencies as missing_dependencies
 from prefixmesh.services.worker.engine.types import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -47,7 +51,8 @@ from prefixmesh.services.worker.engine.types import (
 from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
 from prefixmesh.services.worker.local.base import LocalPolicy
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.messages import KvEvent, SamplingParams
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.wire import KvEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,6 @@ DEFAULT_STATS_WINDOW_S = 5.0
 # SmolLM2's end tokens besides the tokenizer's eos (<|im_end|> = 2): <|endoftext|> = 0.
 EXTRA_STOP_IDS = (0,)
 
-Emit = Callable[[StepOutput, str], Awaitable[None]]
-PublishKv = Callable[[list[KvEvent]], Awaitable[None]]
 # (request, tokens generated so far, hidden state of the configured layer) -> None
 HiddenSink = Callable[[EngineRequest, int, np.ndarray], None]
 
@@ -101,14 +104,19 @@ class _Seq:
 
 
 class HfEngine:
-    """A transformers causal LM behind the worker's engine interface (add, abort, run...)."""
+    """A transformers causal LM behind the worker's ``Engine`` interface (``base.py``)."""
+
+    detokenizes = True
 
     def __init__(self, cfg: HfEngineConfig, policy: LocalPolicy, tok: TextTokenizer,
                  on_hidden: HiddenSink | None = None) -> None:
         self.cfg = cfg
         self.policy = policy
         self.tok = tok
+        self.tokenizer: TextTokenizer | None = tok
         self.on_hidden = on_hidden
+        # TRAIL's refiner, when the worker runs a probe (services/worker/refiner.py).
+        self.refiner: Any = None
         self.cache = BlockCache(cfg.num_blocks, BLOCK_SIZE)
         self.model: Any = None
         self.pool: KvPool | None = None
@@ -186,6 +194,22 @@ class HfEngine:
         """The whole prefix cache as ``[AllBlocksCleared, BlockStored...]`` (resync)."""
         return self.cache.snapshot_events()
 
+    def now(self) -> float:
+        """Monotonic seconds."""
+        return time.monotonic()
+
+    def reset_cache(self) -> bool:
+        """Drop the prefix cache when nothing runs (the pool's blocks are all unreferenced
+        then); the AllBlocksCleared event goes out with the idle loop's next publish."""
+        if self._running or len(self.policy):
+            return False
+        self.cache.reset()
+        self._wake.set()
+        return True
+
+    def info(self) -> dict[str, Any]:
+        return {"model_dir": str(self.cfg.model_dir or ""), "threads": self.cfg.threads}
+
     # ------------------------------------------------------------------ EngineView
 
     @property
@@ -226,7 +250,8 @@ class HfEngine:
 
     # ------------------------------------------------------------------ running
 
-    async def run(self, emit: Emit, publish_kv: PublishKv) -> None:
+    async def run(self, emit: Emit, publish_kv: PublishKv, on_step: OnStep | None = None
+                  ) -> None:
         """The engine loop: admit in policy order, one forward pass at a time."""
         assert self.model is not None, "load() first"
         loop = asyncio.get_running_loop()
@@ -247,6 +272,8 @@ class HfEngine:
                 if not seq.aborted:
                     await self._fail(seq, emit)
                 continue
+            if on_step is not None:
+                on_step(result[2])
             if seq.aborted:
                 continue
             await self._after_forward(seq, n, result, emit)
@@ -419,3 +446,23 @@ class HfEngine:
         self._finish(seq, FINISH_ERROR, time.monotonic())
         await emit(StepOutput(seq.req.request_id, [], True, FINISH_ERROR,
                               max(seq.req.num_cached_tokens, 0), False, seq.req), "")
+
+
+async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -> HfEngine:
+    """The hf backend for a worker config (``engine/registry.py``): SmolLM2 on the CPU (or
+    CUDA), with TRAIL's refiner when the config names a probe."""
+    del cost  # real kernels: the cost model does not time anything here
+    loop = asyncio.get_running_loop()
+    tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
+    engine = HfEngine(HfEngineConfig(), policy, tok)
+    try:
+        if cfg.probe_model:  # TRAIL refinement: a probe on the engine's hidden states
+            from prefixmesh.services.worker.refiner import attach_refiner
+
+            engine.refiner = await loop.run_in_executor(None, attach_refiner, engine,
+                                                        cfg.probe_model)
+        await loop.run_in_executor(None, engine.load)
+    except BaseException:
+        engine.close()
+        raise
+    return engine

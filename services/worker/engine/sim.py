@@ -1,4 +1,4 @@
-"""Simulated GPU engine (the ``sim`` backend): vLLM V1's scheduler as pure logic (DESIGN.md s.7).
+"""Simulated GPU engine (the ``sim`` backend): vLLM V1's scheduler as pure logic (docs/design.md section 7).
 
 Clock-agnostic: every call takes ``now`` (seconds), real or virtual. One step::
 
@@ -46,7 +46,7 @@ from prefixmesh.services.worker.local.base import LocalPolicy
 from prefixmesh.services.worker.local.fcfs import FcfsPolicy
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.messages import KvEvent
+from prefixmesh.shared.wire import KvEvent
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING

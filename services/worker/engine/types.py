@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from prefixmesh.shared.blocks import BLOCK_SIZE, extend_hashes, tenant_salt
-from prefixmesh.shared.messages import LengthDistribution
+from prefixmesh.shared.wire import LengthDistribution
 
 DEFAULT_STATS_WINDOW_S = 5.0
 # Ordinary token ids (clear of BOS/EOS and other special ids) that sim outputs cycle through.

@@ -1,4 +1,4 @@
-"""The ``vllm`` backend: vLLM's AsyncLLM in the worker process (DESIGN.md s.7).
+"""The ``vllm`` backend: vLLM's AsyncLLM in the worker process (docs/design.md section 7).
 
 prefixmesh's local policy keeps the waiting queue: requests reach vLLM only while vLLM's
 own queue is short (``engine_waiting_max`` requests admitted but not yet producing output,
@@ -24,7 +24,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +39,13 @@ from prefixmesh.services.worker.engine.types import (
 )
 from prefixmesh.services.worker.engine.vllm_events import BlockTranslator
 from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
-from prefixmesh.services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBridgeConfig, PublishKv
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
+from prefixmesh.services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBridgeConfig
 from prefixmesh.services.worker.local.base import LocalPolicy
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.messages import KvEvent, SamplingParams
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.wire import KvEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,6 @@ FINISH_ERROR = "error"
 BUSY_GAP_S = 1.0
 DEFAULT_STATS_WINDOW_S = 5.0
 
-# (output, text) -> publish a request's progress; the worker service's _emit.
-Emit = Callable[[StepOutput, str], Awaitable[None]]
 
 
 class VllmUnavailable(RuntimeError):
@@ -143,7 +144,10 @@ def _finish_reason(reason: str | None) -> str:
 
 
 class VllmEngine:
-    """vLLM behind the worker's engine interface (add, abort, stats, snapshot, run)."""
+    """vLLM behind the worker's ``Engine`` interface (``base.py``); vLLM detokenizes."""
+
+    tokenizer = None
+    detokenizes = True
 
     def __init__(self, cfg: VllmEngineConfig, policy: LocalPolicy) -> None:
         self.cfg = cfg
@@ -250,6 +254,25 @@ class VllmEngine:
         """The whole cache as prefixmesh events (a resync for the scheduler)."""
         return self.translator.snapshot_events()
 
+    def update_prediction(self, request_id: str, remaining_tokens: float) -> bool:
+        """A refined prediction for a request still waiting in the local policy."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self.policy.update_prediction(req, remaining_tokens)
+        return True
+
+    def now(self) -> float:
+        """Monotonic seconds."""
+        return time.monotonic()
+
+    def reset_cache(self) -> bool:
+        """Not offered on this backend (vLLM's cache is flushed by restarting it)."""
+        return False
+
+    def info(self) -> dict[str, Any]:
+        return {"vllm_block_size": self._vllm_block_size, "vllm_blocks": self._vllm_blocks}
+
     # ------------------------------------------------------------------ EngineView
 
     @property
@@ -295,8 +318,10 @@ class VllmEngine:
 
     # ------------------------------------------------------------------ running
 
-    async def run(self, emit: Emit, publish_kv: PublishKv) -> None:
-        """The engine loop: bridge KV events, admit in policy order, stream outputs."""
+    async def run(self, emit: Emit, publish_kv: PublishKv, on_step: OnStep | None = None
+                  ) -> None:
+        """The engine loop: bridge KV events, admit in policy order, stream outputs
+        (vLLM steps in its own process: ``on_step`` is not called)."""
         assert self._llm is not None and self._bridge_cfg is not None, "start() first"
         bridge = KvBridge(self._bridge_cfg, self.translator, publish_kv)
         async with asyncio.TaskGroup() as tg:
@@ -376,3 +401,16 @@ class VllmEngine:
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.finish_time = reason, now
         self._requests.pop(req.request_id, None)
+
+
+async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -> VllmEngine:
+    """The vllm backend for a worker config (``engine/registry.py``); loading the model
+    takes minutes and blocks, as in vLLM's own server."""
+    del cost
+    engine = VllmEngine(VllmEngineConfig(model=cfg.model), policy)
+    try:
+        engine.start()
+    except VllmUnavailable as exc:
+        engine.close()
+        raise SystemExit(str(exc)) from exc
+    return engine

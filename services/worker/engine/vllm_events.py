@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 
 from prefixmesh.shared.blocks import BLOCK_SIZE, chain_runs, extend_hashes, tenant_salt
-from prefixmesh.shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 # vLLM's ExternalBlockHash.
 VllmHash = int | bytes

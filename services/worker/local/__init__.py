@@ -1,6 +1,6 @@
 """Local (per-worker) scheduling policies: the waiting queue and its admission order.
 
-Build one by name with ``make_local_policy``; DESIGN.md section 6 lists the policies.
+Build one by name with ``make_local_policy``; docs/design.md section 6 lists the policies.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prefixmesh.services.worker.local.prefix_fair import PrefixFairConfig, Prefi
 from prefixmesh.services.worker.local.sprpt import SprptConfig, SprptPolicy
 from prefixmesh.services.worker.local.srjf import SrjfConfig, SrjfPolicy
 
-# Each policy by name, in DESIGN.md section 6's order: its class and its config type.
+# Each policy by name, in docs/design.md section 6's order: its class and its config type.
 _POLICIES: dict[str, tuple[type[LocalPolicy], type]] = {
     "fcfs": (FcfsPolicy, FcfsConfig),
     "prefix_fair": (PrefixFairPolicy, PrefixFairConfig),

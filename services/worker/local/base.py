@@ -9,7 +9,7 @@ come back through ``requeue_front`` and must be offered first next time (vLLM's
 waiting-queue prepend). Requests the policy itself asks to preempt (``preempt``) come back
 through ``push`` instead.
 
-How the five DESIGN.md section 6 policies fit:
+How the five docs/design.md section 6 policies fit:
 - ``fcfs``: arrival order.
 - ``prefix_fair`` (Preble): ``select`` bins waiting requests by cached fraction, probing
   ``cache`` (which changes step to step), and takes from the bins in proportion to rank.

@@ -1,5 +1,5 @@
 """``batch_groups``: BatchLLM's prefix-group scheduling for offline batch requests
-(DESIGN.md s.6; BatchLLM, sections 3-4).
+(docs/design.md section 6; BatchLLM, sections 3-4).
 
 Interactive requests (no ``batch_id``) come first, in arrival order, at every step: batch
 work only ever gets what they leave (slots, token budget), and it never fills more than

@@ -1,4 +1,4 @@
-"""``fcfs``: first come, first served (the baseline local policy, DESIGN.md s.6)."""
+"""``fcfs``: first come, first served (the baseline local policy, docs/design.md section 6)."""
 
 from __future__ import annotations
 

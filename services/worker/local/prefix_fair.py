@@ -1,4 +1,4 @@
-"""``prefix_fair``: Preble's prefix-aware fair local scheduling (DESIGN.md s.6).
+"""``prefix_fair``: Preble's prefix-aware fair local scheduling (docs/design.md section 6).
 
 Waiting requests fall into ``P`` groups (default 10) by the fraction of their tokens
 cached right now: ``group = floor(P * cached / tokens)``, capped at ``P - 1`` (63 of 100

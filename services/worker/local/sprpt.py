@@ -1,5 +1,5 @@
 """``sprpt_limited``: TRAIL's shortest predicted remaining time first, with limited
-preemption (DESIGN.md s.6; TRAIL, "Don't Stop Me Now", section 4).
+preemption (docs/design.md section 6; TRAIL, "Don't Stop Me Now", section 4).
 
 Key of a request: its predicted remaining output tokens, ``p - num_output_tokens`` where
 ``p`` is the latest refinement (``refined_output``, set by ``update_prediction``) or else

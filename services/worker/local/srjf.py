@@ -1,5 +1,5 @@
 """``srjf_calibrated``: PrefillOnly's shortest remaining job first, calibrated by the
-prefix cache and by waiting time (DESIGN.md s.6; PrefillOnly, section 5).
+prefix cache and by waiting time (docs/design.md section 6; PrefillOnly, section 5).
 
 For prefill-only requests (one output token) the job is the prefill, and its length is
 what is *not* cached now. Before every step each waiting request gets

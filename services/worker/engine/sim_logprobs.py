@@ -21,7 +21,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 
-from prefixmesh.shared.messages import TokenLogprob, TopLogprob
+from prefixmesh.shared.wire import TokenLogprob, TopLogprob
 
 # Pseudo log-probabilities of sampled tokens fall in [-LOGPROB_SPAN, 0) (nats).
 LOGPROB_SPAN = 3.0

@@ -12,7 +12,7 @@
   spends per decode step (probe every ``tokens_per_update`` tokens, Smoother, policy
   update); then the same requests without refinement, for the capture's own cost.
 
-``python -m prefixmesh.services.predictor.bench service --model DIR --json OUT`` (see --help).
+``python -m prefixmesh.loadgen.predictor.bench service --model DIR --json OUT`` (see --help).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _ms(values: list[float]) -> dict:
 def chat_prompts(n: int, tok) -> list[list[int]]:
     """``n`` ShareGPT first human messages as SmolLM2 chat prompts (token ids)."""
     from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
-    from prefixmesh.shared.messages import ChatMessage
+    from prefixmesh.shared.wire import ChatMessage
 
     texts = [c[0][1] for c in sharegpt_conversations()
              if c and c[0][0] == "human" and c[0][1].strip()]
@@ -91,7 +91,7 @@ def bench_service(args: argparse.Namespace) -> dict:
 async def _nats_rounds(url: str, prefix: str, prompts: list[list[int]], batch: int,
                        rounds: int, timeout: float) -> tuple[list[float], list[float], int]:
     from prefixmesh.shared.bus import Bus, BusUnavailable
-    from prefixmesh.shared.messages import PREDICT_REPLY, PredictLengthRequest
+    from prefixmesh.shared.wire import PREDICT_REPLY, PredictLengthRequest
     from prefixmesh.shared.subjects import Subjects
 
     bus = await Bus.connect(url, Subjects(prefix), "predictor-bench")
@@ -146,8 +146,8 @@ def _batch_sizes(port: int) -> dict:
 
 def bench_nats(args: argparse.Namespace) -> dict:
     """Rounds of ``batch`` concurrent requests to a predictor process over NATS."""
-    from prefixmesh.services.tokenizer.text import TextTokenizer
-    from prefixmesh.shared.servers import ManagedProcess, child_env, free_port, start_nats
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
+    from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, free_port, start_nats
 
     prompts = chat_prompts(args.batch * args.batches, TextTokenizer.load())
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +180,7 @@ def _run_requests(engine, tok, prompts: list[list[int]], max_tokens: int) -> lis
     """Run ``prompts`` to ``max_tokens`` each (ignore_eos) on a running-loop-less engine;
     returns the seconds of every decode forward pass (one token each)."""
     from prefixmesh.services.worker.engine.types import EngineRequest
-    from prefixmesh.shared.messages import SamplingParams
+    from prefixmesh.shared.wire import SamplingParams
 
     decode_s: list[float] = []
     forward = engine._forward
@@ -222,7 +222,7 @@ def _run_requests(engine, tok, prompts: list[list[int]], max_tokens: int) -> lis
 
 def bench_refine(args: argparse.Namespace) -> dict:
     """Refinement cost per decode step against the hf engine's decode step."""
-    from prefixmesh.services.tokenizer.text import TextTokenizer
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
     from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig
     from prefixmesh.services.worker.local import make_local_policy
     from prefixmesh.services.worker.refiner import attach_refiner
@@ -262,7 +262,7 @@ def bench_refine(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m prefixmesh.services.predictor.bench",
+    ap = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.predictor.bench",
                                  description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
     for name, help_ in (("service", "model path in process"), ("nats", "through NATS"),

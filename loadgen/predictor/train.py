@@ -1,6 +1,6 @@
 """``prefixmesh predictor collect|train|eval|plot``: TRAIL's predictors on ShareGPT, SmolLM2 lengths.
 
-Data (services/predictor/data.py): a seeded order of ShareGPT first exchanges, optionally
+Data (loadgen/predictor/data.py): a seeded order of ShareGPT first exchanges, optionally
 filtered as the ``sharegpt`` workload filters them. With ``--split test-first`` (new
 artifacts) the first ``--test`` samples are held out and the next ``--train`` train, so the
 test set does not move when the training set grows; ``train-first`` is the older layout.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixmesh.services.predictor.data import (
+from prefixmesh.loadgen.predictor.data import (
     REPLY_SOURCES,
     SAMPLE_FILTERS,
     Sample,
@@ -45,7 +45,7 @@ from prefixmesh.services.predictor.data import (
     load_samples,
     model_replies,
 )
-from prefixmesh.services.predictor.trail import (
+from prefixmesh.shared.trail.lengths import (
     BIN_SPACINGS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_NUM_BINS,
@@ -129,7 +129,7 @@ def _mae(pred: np.ndarray, target: np.ndarray) -> float:
 
 def collect(args: argparse.Namespace) -> dict:
     """Teacher-force test then train samples into the cache."""
-    from prefixmesh.services.tokenizer.text import TextTokenizer
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
 
     cfg = vars(args)
     train_s, test_s = split_samples(cfg, TextTokenizer.load())
@@ -146,16 +146,10 @@ def collect(args: argparse.Namespace) -> dict:
 
 def train(args: argparse.Namespace) -> dict:
     """Build and save an artifact; returns its config."""
-    from prefixmesh.services.predictor.models import (
-        HEAD_HIDDEN,
-        PROBE_HIDDEN,
-        PredictorArtifact,
-        PromptEncoder,
-        mlp,
-        predict_proba,
-        train_classifier,
-    )
-    from prefixmesh.services.tokenizer.text import TextTokenizer
+    from prefixmesh.shared.trail.artifact import HEAD_HIDDEN, PROBE_HIDDEN, PredictorArtifact, mlp, predict_proba
+    from prefixmesh.services.predictor.encoder import PromptEncoder
+    from prefixmesh.loadgen.predictor.fit import train_classifier
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("func", "out", "verb", "json")}
     tok = TextTokenizer.load()
@@ -230,8 +224,9 @@ def train(args: argparse.Namespace) -> dict:
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Score an artifact on its held-out split (same seed, filter and sizes as training)."""
-    from prefixmesh.services.predictor.models import PredictorArtifact, PromptEncoder, predict_proba
-    from prefixmesh.services.tokenizer.text import TextTokenizer
+    from prefixmesh.shared.trail.artifact import PredictorArtifact, predict_proba
+    from prefixmesh.services.predictor.encoder import PromptEncoder
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
 
     art = PredictorArtifact.load(Path(args.model))
     tc = art.train_config
@@ -313,7 +308,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def _latency(enc, art, prompts: list[str], repeats: int) -> dict:
     """Initial prediction (tokenize + encode + head) on batches of 32 prompts, in ms."""
-    from prefixmesh.services.predictor.models import predict_proba
+    from prefixmesh.shared.trail.artifact import predict_proba
 
     times = []
     for r in range(repeats):

@@ -79,7 +79,7 @@ def load_samples(n: int, seed: int, max_prompt: int, tok, sample_filter: str = "
                  ) -> list[Sample]:
     """The first ``n`` first exchanges passing ``sample_filter``, in a seeded random order
     (the same seed gives the same list, so train and test splits are slices of it)."""
-    from prefixmesh.shared.messages import ChatMessage
+    from prefixmesh.shared.wire import ChatMessage
 
     if sample_filter not in SAMPLE_FILTERS:
         raise ValueError(f"sample filter must be one of {SAMPLE_FILTERS}")
@@ -142,7 +142,7 @@ def model_replies(samples: list[Sample], max_new: int, temperature: float, seed:
             replies = json.loads(path.read_text())
         else:
             if model is None:
-                from prefixmesh.services.worker.engine.hf_model import load_model
+                from prefixmesh.shared.smollm2 import load_model
 
                 model = load_model("", threads)
             replies = _sample_replies(model, chunk, max_new, temperature, seed + c0)
@@ -204,7 +204,7 @@ def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_re
                 c_steps, c_owner = z["steps"], z["owner"]
         else:
             if model is None:
-                from prefixmesh.services.worker.engine.hf_model import load_model
+                from prefixmesh.shared.smollm2 import load_model
 
                 model = load_model("", threads)
             got, c_steps, c_owner = _teacher_force(model, chunk, stored, stride, max_reply)

@@ -1,4 +1,4 @@
-"""Global prefix tree over prefixmesh block hashes (DESIGN.md s.5).
+"""Global prefix tree over prefixmesh block hashes (docs/design.md section 5).
 
 A radix tree whose edges are runs of consecutive block hashes. Block hashes are chained
 (``prefixmesh.shared.blocks``): one hash names the whole prefix up to and including its block, so

@@ -13,7 +13,7 @@ Given every prompt of a batch up front (token ids), the planner
    then computed once instead of once per leaf, at the price of computing ``child``'s
    prefix once more. The merged node is first-level itself, so the rule recurses with the
    longer prefix (a sub-problem per node: the dynamic programme);
-3. orders groups by ``1 / (L_prefix + sum L_distinct)``, largest first (DESIGN.md s.6);
+3. orders groups by ``1 / (L_prefix + sum L_distinct)``, largest first (docs/design.md section 6);
 4. places groups on workers so total estimated GPU work (E2's cost model, ``PT`` and the
    marginal decode cost ``DT``) is balanced, one group per worker unless a group alone is
    more than a worker's fair share, in which case it is split and each part recomputes

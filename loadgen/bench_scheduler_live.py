@@ -19,11 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from prefixmesh.services.scheduler.bench import WORKLOADS, make_stream
+from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.messages import ROUTE_REPLY, LoadReportEvent, RouteRequest
-from prefixmesh.shared.servers import ManagedProcess, child_env, start_nats, start_redis
+from prefixmesh.shared.wire import ROUTE_REPLY, LoadReportEvent, RouteRequest
+from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, start_nats, start_redis
 from prefixmesh.shared.subjects import Subjects
 
 PREFIX = "benchlive"

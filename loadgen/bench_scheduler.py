@@ -1,13 +1,13 @@
 """In-process decision benchmark of a global policy (``prefixmesh bench-scheduler``).
 
 Builds a synthetic prompt stream with the sharing structure of Preble's workloads
-(DESIGN.md s.10), warms the policy, then times ``route()`` one decision at a time with
+(docs/design.md section 10), warms the policy, then times ``route()`` one decision at a time with
 ``time.perf_counter_ns`` on one core. Between decisions (untimed) it feeds what a live
 cluster would: KV events from a per-worker LRU block cache, completion records, periodic
 load reports and ``tick``. Block hashes are computed before timing: the edge computes
 them, not the scheduler.
 
-Output (DESIGN.md s.11): ``{"workload", "workers", "policy", "decisions_per_s", "p50_us",
+Output (docs/design.md section 11): ``{"workload", "workers", "policy", "decisions_per_s", "p50_us",
 "p99_us"}``.
 """
 
@@ -27,7 +27,7 @@ from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
 from prefixmesh.services.scheduler.policies.base import GlobalPolicy, PolicyConfig, RouteInput
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.messages import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
 
 WORKLOADS = ("toolbench", "videoqa")
 VOCAB = 32_000

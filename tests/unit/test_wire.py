@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from prefixmesh.shared import messages as m
+from prefixmesh.shared import wire as m
 
 pytestmark = pytest.mark.unit
 

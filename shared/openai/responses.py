@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixmesh.shared.messages import TokenLogprob
+from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -22,6 +22,28 @@ class ChoiceResult:
     worker_id: str = ""
     # Per output token, when the request asked for logprobs (else None).
     logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def start(cls, index: int, prompt_tokens: int, logprobs: bool) -> ChoiceResult:
+        """An empty result; ``logprobs``: collect the tokens' log-probabilities."""
+        return cls(index=index, prompt_tokens=prompt_tokens, logprobs=[] if logprobs else None)
+
+    def take(self, event: GenerateChunkEvent | GenerateDoneEvent) -> None:
+        """Fold one event of the choice's stream into the result."""
+        if isinstance(event, GenerateChunkEvent):
+            self.text += event.text
+            self.completion_tokens += len(event.token_ids)
+            self.cached_tokens = event.cached_tokens
+            if self.logprobs is not None:
+                self.logprobs.extend(event.logprobs)
+            return
+        self.finish_reason = event.finish_reason
+        self.completion_tokens = event.completion_tokens
+        self.cached_tokens = event.cached_tokens
+        self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
+        self.worker_id = event.worker_id
+        if event.error is not None:
+            self.error = event.error.message
 
 
 @dataclass(slots=True)

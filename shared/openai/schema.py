@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from prefixmesh.shared.messages import ChatMessage
+from prefixmesh.shared.wire import ChatMessage, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_SEQUENCES = 4
@@ -86,19 +86,6 @@ class _ChatBody(_Common):
 
 
 @dataclass(slots=True)
-class Sampling:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    ignore_eos: bool
-    # Alternatives per token to report (None = no logprobs; 0 = the sampled token's only).
-    logprobs: int | None = None
-    allowed_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class ParsedRequest:
     """A validated completion or chat request."""
 
@@ -110,7 +97,7 @@ class ParsedRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
-    sampling: Sampling | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     user: str = ""
 
 
@@ -135,7 +122,7 @@ def decode_body(body: bytes, typ: type) -> Any:
 
 
 def _sampling(b: _Common, max_tokens: int | None, max_tokens_limit: int,
-              logprobs: int | None) -> Sampling:
+              logprobs: int | None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
     if max_tokens < 1:
@@ -162,7 +149,8 @@ def _sampling(b: _Common, max_tokens: int | None, max_tokens_limit: int,
                        param="stop")
     if b.seed is not None and not -(2**63) <= b.seed < 2**64:
         raise ApiError(400, "seed must fit in 64 bits", param="seed")
-    return Sampling(max_tokens, temperature, top_p, b.seed, stop, b.ignore_eos, logprobs)
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          seed=b.seed, stop=stop, ignore_eos=b.ignore_eos, logprobs=logprobs)
 
 
 def _check_common(b: _Common, models: tuple[str, ...]) -> None:
@@ -175,7 +163,7 @@ def _check_common(b: _Common, models: tuple[str, ...]) -> None:
         raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
 
 
-def _prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:
+def parse_prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:
     """Normalise OpenAI's four prompt shapes: str, [str], [int], [[int]]."""
     if raw is None:
         raise ApiError(400, "prompt is required", param="prompt")
@@ -225,7 +213,7 @@ def allowed_tokens(ids: list[int] | None, vocab_size: int) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _check_choices(n: int, prompts: int) -> None:
+def check_choices(n: int, prompts: int) -> None:
     if n * prompts > MAX_CHOICES:
         raise ApiError(400, f"n times the number of prompts must be at most {MAX_CHOICES}",
                        param="n")
@@ -238,8 +226,8 @@ def parse_completion(body: bytes, models: tuple[str, ...], vocab_size: int,
     _check_common(b, models)
     if b.echo:
         raise ApiError(400, "echo is not supported", param="echo")
-    prompts = _prompts(b.prompt, vocab_size)
-    _check_choices(b.n, len(prompts))
+    prompts = parse_prompts(b.prompt, vocab_size)
+    check_choices(b.n, len(prompts))
     sampling = _sampling(b, b.max_tokens, max_tokens_limit, b.logprobs)
     sampling.allowed_token_ids = allowed_tokens(b.allowed_token_ids, vocab_size)
     return ParsedRequest(

@@ -24,8 +24,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.lifecycle import TaskSet
-from prefixmesh.shared.messages import encode
+from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.wire import encode
 
 log = logging.getLogger(__name__)
 
