@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 STAMP  := $(VENV)/.installed
 STAMP_TEST := $(VENV)/.installed-test
 
-.PHONY: setup setup-test demo test test-unit e2e-browser up compare chaos soak clean
+.PHONY: setup setup-test demo test test-unit lint e2e-browser up compare chaos soak clean
 
 # The core install: services, load generator, demo (no torch).
 setup: $(STAMP)
@@ -39,9 +39,18 @@ demo: setup
 	$(VENV)/bin/prefixmesh demo
 
 # The whole suite with every extra it covers (--require-extras: a test that needs torch or
-# sglang-router fails instead of skipping when they are missing).
-test: setup-test
+# sglang-router fails instead of skipping when they are missing), after the linters.
+test: setup-test lint
 	$(PY) -m pytest -q --require-extras
+
+# ruff (style, imports, likely bugs) and mypy (types). mypy reads the code as the
+# prefixmesh.* packages it installs as, through links under .cache/typecheck.
+TYPECHECK := .cache/typecheck/prefixmesh
+lint: setup-test
+	$(PY) -m ruff check .
+	mkdir -p $(TYPECHECK)
+	for d in services shared loadgen; do ln -sfn ../../../$$d $(TYPECHECK)/$$d; done
+	cd .cache/typecheck && ../../$(PY) -m mypy --config-file ../../pyproject.toml -p prefixmesh
 
 test-unit: setup-test
 	$(PY) -m pytest -q -m unit

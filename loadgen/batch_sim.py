@@ -4,7 +4,7 @@ The same requests (``batch`` workload: documents shared by groups of prompts) ar
 three ways on ``gpus`` simulated GPUs, all submitted at t = 0, and the batch completion
 time (first submission to last completion, virtual seconds) is compared:
 
-- ``planned``: the batch planner (``prefixmesh.services.edge.batch_plan``: enlarged first-level prefix
+- ``planned``: the batch planner (``services/edge/batch_plan.py``: enlarged first-level prefix
   groups, ordered, placed on workers by E2's cost model) decides each request's worker and
   the submission order; workers run ``batch_groups`` (requests keep their ``batch_id``);
 - ``e2_prefix_fair``: ordinary traffic (no ``batch_id``) under E2 + ``prefix_fair``;
@@ -26,10 +26,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, token_prompt
 from prefixmesh.loadgen.workloads import WorkloadRequest, build_workload
-from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
 from prefixmesh.services.edge.batch_plan import BatchPlan, plan_batch
+from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 
 
@@ -82,7 +82,7 @@ class PlannedRouting:
 
 def plan_for(requests: Sequence[WorkloadRequest], gpus: int, cost: CostModel) -> BatchPlan:
     """The planner's decision for ``requests`` on workers gpu0..gpu{n-1}."""
-    prompts = [list(r.prompt) for r in requests]
+    prompts = [list(token_prompt(r)) for r in requests]
     outputs = [r.output_len or r.max_tokens for r in requests]
     return plan_batch(prompts, outputs, [f"gpu{i}" for i in range(gpus)], cost)
 

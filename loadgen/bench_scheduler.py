@@ -14,20 +14,31 @@ Output (docs/design.md section 11): ``{"workload", "workers", "policy", "decisio
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
+import itertools
 import json
 import random
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
-from prefixmesh.services.scheduler.policies.base import GlobalPolicy, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import (
+    GlobalPolicy,
+    PolicyConfig,
+    RouteInput,
+)
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.wire import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import (
+    BlockRemoved,
+    BlockStored,
+    LoadReportEvent,
+    RequestDoneEvent,
+)
 
 WORKLOADS = ("toolbench", "videoqa")
 VOCAB = 32_000
@@ -96,36 +107,37 @@ class _Prefix:
             return block_hashes(self.rest + tail)
         return self.hashes + extend_hashes(self.hashes[-1], self.rest + tail)
 
+    def request(self, t: float, request_id: str, tail: list[int], max_tokens: int,
+                output_tokens: int) -> BenchRequest:
+        """The request of this head + ``tail`` arriving at ``t``."""
+        return BenchRequest(
+            t,
+            RouteInput(request_id, self.prompt(tail), self.tokens + len(tail), max_tokens),
+            output_tokens,
+            self.system_blocks,
+            len(self.hashes),
+        )
+
 
 def toolbench_stream(rate: float, seed: int = 0) -> Iterator[BenchRequest]:
     """System prompt + one of many tool instructions (Zipf 1.1) + a unique query."""
     rng = random.Random(seed)
     system = _tokens(rng, TOOLBENCH_SYSTEM_TOKENS)
-    weights = [1.0 / (k + 1) ** TOOLBENCH_ZIPF for k in range(TOOLBENCH_TOOLS)]
-    cum = []
-    acc = 0.0
-    for wgt in weights:
-        acc += wgt
-        cum.append(acc)
+    # workloads.base.zipf_weights computes the same, but importing it would load the whole
+    # workloads package (numpy, the data registry) into every bench-scheduler start.
+    cum = list(itertools.accumulate(1.0 / k**TOOLBENCH_ZIPF
+                                    for k in range(1, TOOLBENCH_TOOLS + 1)))
     tools: dict[int, _Prefix] = {}
     t = 0.0
-    i = 0
-    while True:
+    for i in itertools.count():
         t += rng.expovariate(rate)
-        k = min(int(_bisect(cum, rng.random() * acc)), TOOLBENCH_TOOLS - 1)
+        k = min(bisect.bisect_left(cum, rng.random() * cum[-1]), TOOLBENCH_TOOLS - 1)
         prefix = tools.get(k)
         if prefix is None:
             instr = _tokens(rng, _normal_int(rng, TOOLBENCH_TOOL_TOKENS, 200))
             prefix = tools[k] = _Prefix.of(system, instr)
         query = _tokens(rng, _normal_int(rng, TOOLBENCH_QUERY_TOKENS, 32))
-        yield BenchRequest(
-            t,
-            RouteInput(f"tb-{i}", prefix.prompt(query), prefix.tokens + len(query), 256),
-            _normal_int(rng, TOOLBENCH_OUTPUT, 1),
-            prefix.system_blocks,
-            len(prefix.hashes),
-        )
-        i += 1
+        yield prefix.request(t, f"tb-{i}", query, 256, _normal_int(rng, TOOLBENCH_OUTPUT, 1))
 
 
 def videoqa_stream(rate: float, seed: int = 0) -> Iterator[BenchRequest]:
@@ -134,8 +146,7 @@ def videoqa_stream(rate: float, seed: int = 0) -> Iterator[BenchRequest]:
     system = _tokens(rng, VIDEOQA_SYSTEM_TOKENS)
     active: list[list] = []  # [prefix, questions_left]
     t = 0.0
-    i = 0
-    while True:
+    for i in itertools.count():
         while len(active) < VIDEOQA_ACTIVE:
             video = _tokens(rng, _normal_int(rng, VIDEOQA_VIDEO_TOKENS, 1_000))
             active.append([_Prefix.of(system, video), rng.randint(*VIDEOQA_QUESTIONS)])
@@ -148,25 +159,7 @@ def videoqa_stream(rate: float, seed: int = 0) -> Iterator[BenchRequest]:
             active.pop()
         else:
             active[j][1] = left - 1
-        yield BenchRequest(
-            t,
-            RouteInput(f"vq-{i}", prefix.prompt(question), prefix.tokens + len(question), 8),
-            _normal_int(rng, VIDEOQA_OUTPUT, 1),
-            prefix.system_blocks,
-            len(prefix.hashes),
-        )
-        i += 1
-
-
-def _bisect(cum: Sequence[float], x: float) -> int:
-    lo, hi = 0, len(cum)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cum[mid] < x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+        yield prefix.request(t, f"vq-{i}", question, 8, _normal_int(rng, VIDEOQA_OUTPUT, 1))
 
 
 def make_stream(workload: str, rate: float | None = None, seed: int = 0) -> Iterator[BenchRequest]:
@@ -197,12 +190,13 @@ class _Cluster:
         self.used: dict[str, int] = dict.fromkeys(workers, 0)
         self.busy: dict[str, int] = dict.fromkeys(workers, 0)
         self.prefill: dict[str, int] = dict.fromkeys(workers, 0)
-        self.events: list[tuple[float, int, object]] = []
+        # (due time, push order, a completion or the (worker, request) whose KV is stored)
+        self.events: list[tuple[float, int, RequestDoneEvent | tuple[str, BenchRequest]]] = []
         self.seq = 0
         self.next_report = 0.0
         self.next_tick = 0.0
 
-    def _push(self, t: float, ev: object) -> None:
+    def _push(self, t: float, ev: RequestDoneEvent | tuple[str, BenchRequest]) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, ev))
 
@@ -251,7 +245,7 @@ class _Cluster:
                 if ev.worker_id in self.policy.workers:
                     self.policy.on_done(ev, t)
             else:
-                worker, br = ev  # type: ignore[misc]
+                worker, br = ev
                 if worker in self.policy.workers:
                     self._cache(worker, br, t)
         while self.next_report <= now:

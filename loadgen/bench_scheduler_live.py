@@ -4,7 +4,7 @@ Starts its own nats-server and redis-server (free ports) unless ``--nats-url`` /
 ``--redis-url`` name running ones, and a scheduler process unless ``--external-scheduler``
 says one already serves ``--prefix`` on that NATS. It registers
 ``--workers`` workers by publishing their load reports, then sends the same prompt stream as
-the in-process benchmark as RouteRequests over NATS with ``--in-flight`` outstanding, and
+the in-process benchmark as TokenizedRequests over NATS with ``--in-flight`` outstanding, and
 reports decisions per second and client-side latency percentiles (request/reply round
 trip: msgpack encode, NATS hop, decision, reply).
 """
@@ -22,9 +22,19 @@ from pathlib import Path
 from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.wire import ROUTE_REPLY, LoadReportEvent, RouteRequest
-from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, start_nats, start_redis
+from prefixmesh.shared.runtime.servers import (
+    ManagedProcess,
+    child_env,
+    start_nats,
+    start_redis,
+)
 from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.wire import (
+    ROUTE_REPLY,
+    LoadReportEvent,
+    SamplingParams,
+    TokenizedRequest,
+)
 
 PREFIX = "benchlive"
 REPORT_INTERVAL_S = 0.25
@@ -47,8 +57,11 @@ async def _run(nats_url: str, args: argparse.Namespace) -> dict:
     try:
         stream = make_stream(args.workload, None, args.seed)
         reqs = [next(stream).route for _ in range(args.warmup + args.requests)]
-        msgs = [RouteRequest(request_id=r.request_id, block_hashes=r.block_hashes,
-                             prompt_tokens=r.prompt_tokens, max_tokens=r.max_tokens)
+        # The synthetic streams have block hashes but no token ids: the ids stand in with
+        # zeros, so each message is as long on the wire as a real prompt's.
+        msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[0] * r.prompt_tokens,
+                                 sampling=SamplingParams(max_tokens=r.max_tokens),
+                                 block_hashes=r.block_hashes)
                 for r in reqs]
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 30
@@ -62,7 +75,7 @@ async def _run(nats_url: str, args: argparse.Namespace) -> dict:
         latencies: list[float] = []
         sem = asyncio.Semaphore(args.in_flight)
 
-        async def one(msg: RouteRequest, timed: bool) -> None:
+        async def one(msg: TokenizedRequest, timed: bool) -> None:
             async with sem:
                 t0 = time.perf_counter()
                 r = await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)

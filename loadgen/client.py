@@ -54,7 +54,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str,
                     out.output_tokens = usage.get("completion_tokens", 0)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens") or 0
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
     out.latency_s = time.perf_counter() - start

@@ -14,18 +14,30 @@ import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prefixmesh.loadgen.results import RequestResult
-from prefixmesh.loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, Refiner, TrailPredictions
+from prefixmesh.loadgen.trail_preds import (
+    PREDICTION_MODES,
+    TRAIL_MODES,
+    Refiner,
+    TrailPredictions,
+)
 from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.scheduler.policies import make_policy
-from prefixmesh.services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import (
+    Decision,
+    NoWorkerError,
+    PolicyConfig,
+    RouteInput,
+)
 from prefixmesh.services.worker.engine.sim import SimEngine, SimEngineConfig
 from prefixmesh.services.worker.engine.types import EngineRequest, StepPlan
 from prefixmesh.services.worker.local import LocalPolicyConfig, make_local_policy
 from prefixmesh.services.worker.reports import done_record, load_report
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
 
 # Event kinds, in tie-break order at equal times: finish steps before new arrivals so a
 # freed slot is visible to the request that arrives at the same instant.
@@ -79,6 +91,30 @@ class SimRun:
     preemptions: int = 0
 
 
+def token_prompt(req: WorkloadRequest) -> list[int]:
+    """A request's prompt token ids: the simulator runs token workloads, not text ones."""
+    if isinstance(req.prompt, str):
+        raise TypeError(f"{req.prefix_id}: the simulator takes token prompts, not text")
+    return req.prompt
+
+
+class SimPolicy(Protocol):
+    """What the simulator drives of a ``GlobalPolicy``: routing fed by the workers' events,
+    without persistence or statistics, so a fixed plan (batch_sim.PlannedRouting) fits."""
+
+    def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None: ...
+
+    def route(self, req: RouteInput, now: float) -> Decision: ...
+
+    def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None: ...
+
+    def on_load(self, report: LoadReportEvent, now: float) -> None: ...
+
+    def on_done(self, done: RequestDoneEvent, now: float) -> None: ...
+
+    def tick(self, now: float) -> None: ...
+
+
 class ClusterSim:
     """Replays requests at their arrival times through a global policy onto sim engines."""
 
@@ -87,7 +123,7 @@ class ClusterSim:
             raise ValueError("gpus must be at least 1")
         self.cfg = cfg
         self.cost = CostModel.load(cfg.profile)
-        self.policy = make_policy(cfg.policy, cfg.policy_config, self.cost)
+        self.policy: SimPolicy = make_policy(cfg.policy, cfg.policy_config, self.cost)
         self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
         self.engines = {
             w: SimEngine(self.cost, make_local_policy(cfg.local_policy, cfg.local_config),
@@ -95,10 +131,11 @@ class ClusterSim:
             for w in self.workers}
         self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
         self.refiner = Refiner() if cfg.predictions == "refined" else None
-        self._heap: list[tuple[float, int, int, object]] = []
+        # (time, kind, push order, payload: request index, worker or None for a tick)
+        self._heap: list[tuple[float, int, int, int | str | None]] = []
         self._seq = 0
 
-    def _push(self, t: float, kind: int, payload: object) -> None:
+    def _push(self, t: float, kind: int, payload: int | str | None) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, kind, self._seq, payload))
 
@@ -118,7 +155,9 @@ class ClusterSim:
             return float(req.output_len or req.max_tokens)
         if mode not in TRAIL_MODES:
             return 0.0
-        p = self.cfg.trail.requests.get(req.prefix_id)
+        trail = self.cfg.trail
+        assert trail is not None  # ClusterConfig requires it in the TRAIL modes
+        p = trail.requests.get(req.prefix_id)
         if p is None:
             raise ValueError(f"no prediction for {req.prefix_id!r}")
         if self.refiner is not None:
@@ -153,14 +192,16 @@ class ClusterSim:
             if now > deadline:
                 break
             if kind == _ARRIVAL:
+                assert isinstance(payload, int)
                 i = payload
                 req = requests[i]
+                prompt = token_prompt(req)
                 rid = f"r{i}"
                 index[rid] = i
-                hashes = block_hashes(req.prompt, req.tenant)
+                hashes = block_hashes(prompt, req.tenant)
                 try:
                     d = self.policy.route(RouteInput(
-                        request_id=rid, block_hashes=hashes, prompt_tokens=len(req.prompt),
+                        request_id=rid, block_hashes=hashes, prompt_tokens=len(prompt),
                         max_tokens=req.max_tokens, tenant=req.tenant), now)
                 except NoWorkerError as exc:
                     results[i].error = str(exc)
@@ -169,16 +210,18 @@ class ClusterSim:
                 decisions[d.kind] = decisions.get(d.kind, 0) + 1
                 per_worker[d.worker_id] += 1
                 self.engines[d.worker_id].add(EngineRequest(
-                    request_id=rid, prompt_token_ids=list(req.prompt),
+                    request_id=rid, prompt_token_ids=list(prompt),
                     max_tokens=max(req.max_tokens, req.output_len, 1),
                     output_len=req.output_len or req.max_tokens, tenant=req.tenant,
                     block_hashes=hashes, batch_id=req.batch_id,
                     predicted_output=self._prediction(rid, req)), now)
                 self._kick(d.worker_id, now)
             elif kind == _STEP:
+                assert isinstance(payload, str)
                 w = payload
                 engine = self.engines[w]
                 plan, self.plans[w] = self.plans[w], None
+                assert plan is not None  # a step event is pushed with its plan (_kick)
                 steps += 1
                 finished = engine.finish_step(plan, now, finished_only=True)
                 if self.refiner is not None:
@@ -189,7 +232,7 @@ class ClusterSim:
                     r = out.request
                     i = index[r.request_id]
                     results[i] = RequestResult(
-                        ok=True, latency_s=r.latency_s, ttft_s=r.ttft_s,
+                        ok=True, latency_s=r.latency_s or 0.0, ttft_s=r.ttft_s or 0.0,
                         prompt_tokens=r.num_prompt_tokens,
                         cached_tokens=max(r.num_cached_tokens, 0),
                         output_tokens=r.num_output_tokens)
@@ -200,6 +243,7 @@ class ClusterSim:
                     self.policy.on_kv_events(w, events, now)
                 self._kick(w, now)
             elif kind == _LOAD:
+                assert isinstance(payload, str)
                 w = payload
                 self.policy.on_load(load_report(w, self.engines[w].stats(now), now), now)
                 self._push(now + self.cfg.load_interval_s, _LOAD, w)

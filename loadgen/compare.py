@@ -56,10 +56,21 @@ from pathlib import Path
 import aiohttp
 
 from prefixmesh.loadgen.guidellm_client import run_guidellm
-from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
+from prefixmesh.loadgen.options import (
+    WorkloadSpec,
+    add_workload_args,
+    parse_floats,
+    parse_names,
+)
 from prefixmesh.loadgen.report import markdown, plot
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, free_port, start_nats, start_redis
+from prefixmesh.shared.runtime.servers import (
+    ManagedProcess,
+    child_env,
+    free_port,
+    start_nats,
+    start_redis,
+)
 
 ROUTERS = {
     # family -> (policies it ships, argv prefix)
@@ -143,6 +154,14 @@ def _get_json(url: str, timeout: float = 2.0) -> object | None:
         return None
 
 
+def _model_id(url: str) -> str:
+    """The first model that ``url``/v1/models lists."""
+    body = _get_json(url + "/v1/models")
+    if not isinstance(body, dict) or not body.get("data"):
+        raise RuntimeError(f"{url}/v1/models lists no model")
+    return body["data"][0]["id"]
+
+
 def _post(url: str, timeout: float = 5.0) -> int:
     req = urllib.request.Request(url, data=b"{}", method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -160,7 +179,7 @@ def wait_models(url: str, proc: ManagedProcess | None, what: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc is not None and not proc.alive():
-            raise RuntimeError(f"{what} exited with {proc.proc.returncode}; see its log")
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see its log")
         body = _get_json(url + "/v1/models")
         if isinstance(body, dict) and body.get("data"):
             return
@@ -183,7 +202,8 @@ class WorkerGroup:
         try:
             for i in range(self.n):
                 port = free_port()
-                argv = [sys.executable, "-m", "prefixmesh.services.cli", "worker", "--http", str(port),
+                argv = [sys.executable, "-m", "prefixmesh.services.cli", "worker", "--http",
+                        str(port),
                         "--nats-url", self.nats_url, "--subject-prefix", self.subject_prefix,
                         "--worker-id", f"w{i}", "--backend", "sim", "--profile", self.profile,
                         "--local-policy", self.local_policy, "--log-level", "WARNING",
@@ -289,7 +309,8 @@ def run_bench(url: str, model: str, c: Contender, rate: float, args: argparse.Na
               workload_argv: list[str], out: Path, log_dir: Path) -> dict:
     """``prefixmesh bench`` as a child process; its one result row."""
     # The model is named: sglang-router answers /v1/models as text/plain.
-    argv = [sys.executable, "-m", "prefixmesh.services.cli", "bench", "--url", url, "--model", model,
+    argv = [sys.executable, "-m", "prefixmesh.services.cli", "bench", "--url", url, "--model",
+            model,
             *workload_argv,
             "--rate", str(rate), "--duration", str(args.duration), "--json", str(out),
             "--label", c.name, "--local-policy", c.local_policy, "--gpus", str(args.workers),
@@ -418,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for local, group_contenders in by_local.items():
             with WorkerGroup(args.workers, local, args.profile, infra["nats"],
                              f"cmp{local}", log_dir, args.time_scale) as group:
-                model = _get_json(group.urls[0] + "/v1/models")["data"][0]["id"]
+                model = _model_id(group.urls[0])
                 for ri, rate in enumerate(rates):
                     k = ri % len(group_contenders)
                     for c in group_contenders[k:] + group_contenders[:k]:

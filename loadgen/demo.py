@@ -17,10 +17,12 @@ from prefixmesh.loadgen.client import run_open_loop
 from prefixmesh.loadgen.results import summarize
 from prefixmesh.loadgen.workloads import toolbench_text
 from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE
+from prefixmesh.shared.models import sim_card
 from prefixmesh.shared.runtime.servers import free_port
 
-MODEL = "smollm2-135m-instruct"
-PROFILE = "mistral-7b-a6000"
+PROFILE = DEFAULT_PROFILE
+MODEL = sim_card(PROFILE).name  # what a simulated worker on PROFILE serves
 
 
 def run_policy(policy: str, workers: int, requests: int, rate: float, seed: int) -> dict:

@@ -8,8 +8,8 @@ the same contender. Its token counting uses the SmolLM2 tokenizer folder that pr
 caches locally, so nothing is fetched from a model hub.
 
 The result row is built from guidellm's own statistics (latency mean, median, p90, p99;
-TTFT mean and p99; inter-token latency mean) plus throughput and cache hit ratio from its per-request
-records, then converted to model time like a ``prefixmesh bench`` row. Written against
+TTFT mean and p99; inter-token latency mean) plus throughput and cache hit ratio from its
+per-request records, then converted to model time like a ``prefixmesh bench`` row. Written against
 guidellm 0.8.1's command line (``guidellm run --backend kind=openai_http,...``) and report.
 """
 
@@ -81,7 +81,8 @@ def _stat(metric: dict[str, Any], key: str, scale: float = 1.0) -> float:
 
 
 def row_from_report(bench: dict[str, Any], labels: dict[str, Any]) -> dict[str, Any]:
-    """A docs/design.md section 11 row (wall seconds) from one benchmark of a guidellm JSON report."""
+    """A docs/design.md section 11 row (wall seconds) from one benchmark of a guidellm JSON
+    report."""
     m = bench["metrics"]
     totals = m["request_totals"]
     ok: Sequence[dict[str, Any]] = bench["requests"].get("successful") or []

@@ -148,14 +148,15 @@ def slo_report(runs: Sequence[dict], slo_s: float) -> str:
     for (workload, gpus), by_policy in panels(runs).items():
         for k, curve in by_policy.items():
             best = max_rate_under(curve, slo_s)
-            out.append(f"| {workload} | {gpus} | {k} | "
-                       f"{'below ' + format(min(curve), 'g') if best is None else format(best, 'g')}"
+            knee = f"below {min(curve):g}" if best is None else f"{best:g}"
+            out.append(f"| {workload} | {gpus} | {k} | {knee}"
                        f" | {', '.join(f'{x:g}' for x in sorted(curve))} |")
     return "\n".join(out) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.knee", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.knee",
+                                description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="+", type=Path)
     p.add_argument("--baseline", default="round_robin", help="policy whose knee is used")
     p.add_argument("--low", type=float, default=2.0, help="knee window: p99 from this x ...")

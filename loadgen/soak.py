@@ -1,6 +1,7 @@
 """Soak run: the whole mesh under steady ``prefixmesh bench`` load, sampled for growth.
 
-``python -m prefixmesh.loadgen.soak --capacity-rates 4,8,12,16 --duration 1800 --json results/soak.json``
+``python -m prefixmesh.loadgen.soak --capacity-rates 4,8,12,16 --duration 1800
+--json results/soak.json``
 starts a local mesh (``LocalMesh``, its own nats-server and redis-server on free ports) and:
 
 1. measures the mesh's capacity: ``prefixmesh bench`` at each of ``--capacity-rates`` for
@@ -142,7 +143,8 @@ def growth(samples: list[dict], start_s: float) -> dict[str, dict[str, float]]:
 def run_bench(mesh: LocalMesh, workload: str, rate: float, duration: float, out: Path,
               seed: int) -> ManagedProcess:
     bench = ManagedProcess(out.stem, [
-        sys.executable, "-m", "prefixmesh.services.cli", "bench", "--url", mesh.url, "--workload", workload,
+        sys.executable, "-m", "prefixmesh.services.cli", "bench", "--url", mesh.url,
+        "--workload", workload,
         "--rate", str(rate), "--duration", str(duration), "--seed", str(seed), "--no-progress",
         "--json", str(out)], log_path=out.with_suffix(".log"))
     bench.start()
@@ -180,7 +182,8 @@ def measure_capacity(mesh: LocalMesh, a: argparse.Namespace) -> tuple[float | No
             time.sleep(0.5)
         row = bench_row(out)
         if row is None:
-            print(f"capacity: bench at {rate:g} req/s wrote no result; see {out.with_suffix('.log')}")
+            print(f"capacity: bench at {rate:g} req/s wrote no result; "
+                  f"see {out.with_suffix('.log')}")
             break
         rows.append(row)
         print(f"capacity: {rate:g} req/s -> p99 {row['latency_p99_s']:.3f} s, "
@@ -198,7 +201,8 @@ def parse_rates(text: str) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.soak",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, help="bench request rate (req/s); default: "
                    "--load-fraction of the capacity measured over --capacity-rates")
     p.add_argument("--capacity-rates", type=parse_rates, default=None,

@@ -9,10 +9,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
-from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_floats, parse_names
-from prefixmesh.loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
+from prefixmesh.loadgen.options import (
+    WorkloadSpec,
+    add_workload_args,
+    parse_floats,
+    parse_names,
+)
+from prefixmesh.loadgen.policy_variants import (
+    parse_local_variant,
+    parse_variant,
+    split_variants,
+)
 from prefixmesh.loadgen.results import summarize
-from prefixmesh.loadgen.trail_preds import PREDICTION_MODES, TRAIL_MODES, TrailPredictions, trail_requests
+from prefixmesh.loadgen.trail_preds import (
+    PREDICTION_MODES,
+    TRAIL_MODES,
+    TrailPredictions,
+    trail_requests,
+)
 from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.services.worker.local import LOCAL_POLICIES
@@ -71,8 +85,9 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
         n = max(1, round(rate * duration_s))
         arrivals = spec.times(rate, n)
         for v in variants:
-            for lv, mode in [(lv, m) for lv in local_variants
-                             for m in (["none"] if lv.policy in PREDICTION_BLIND else modes)]:
+            runs = [(local, m) for local in local_variants
+                    for m in (["none"] if local.policy in PREDICTION_BLIND else modes)]
+            for lv, mode in runs:
                 cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=lv.policy,
                                     local_config=lv.config, profile=profile,
                                     policy_config=v.config, predictions=mode, trail=trail)

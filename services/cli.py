@@ -8,68 +8,28 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
-
-BACKENDS = ("sim", "hf", "vllm")
-
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
+    from prefixmesh.services.up import MeshOptions
+    from prefixmesh.shared.runtime.config import add_arguments
+
     p = sub.add_parser("up", help="run the whole mesh as local processes",
                        description="Start nats-server and redis-server when none is reachable, "
                        "then every prefixmesh service; print the edge URL; Ctrl-C stops all.")
-    p.add_argument("--workers", type=int, default=4, help="number of worker replicas")
-    p.add_argument("--backend", choices=BACKENDS, default="sim", help="engine backend")
-    p.add_argument("--policy", default="e2", help="global scheduling policy")
-    p.add_argument("--local-policy", default=DEFAULT_LOCAL_POLICY, choices=LOCAL_POLICIES,
-                   help="workers' local queue policy")
-    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles(),
-                   help="cost-model profile of the simulated GPUs")
-    p.add_argument("--host", default="127.0.0.1", help="edge listen address")
-    p.add_argument("--port", type=int, default=8000, help="edge port (0 = any free port)")
-    p.add_argument("--metrics-port", type=int, default=9100,
-                   help="metrics service port (0 = any free port)")
-    p.add_argument("--nats-url", default="nats://127.0.0.1:4222",
-                   help="NATS to use; started here when nothing listens there")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                   help="Redis to use; started here when nothing listens there")
-    p.add_argument("--subject-prefix", default="pm", help="NATS subject / Redis key prefix")
-    p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a tmp dir)")
-    p.add_argument("--log-level", default="INFO", help="services' log level")
+    add_arguments(p, MeshOptions)
     p.add_argument("--state-file", type=Path, default=None,
                    help="write the URL and child PIDs here as JSON once ready")
-    p.add_argument("--predictor-model", default="",
-                   help="trained predictor artifact folder: the predictor serves it and the "
-                   "edge asks it for every request's output length (docs/predictor.md)")
-    p.add_argument("--probe-model", default="",
-                   help="hf workers: artifact whose probe refines remaining lengths "
-                   "in-process (use with --local-policy sprpt_limited)")
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from prefixmesh.services.up import MeshOptions, run_up
+    from prefixmesh.shared.runtime.config import from_sources
 
-    if args.workers < 1:
+    opts = from_sources(MeshOptions, args)
+    if opts.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2
-    opts = MeshOptions(
-        workers=args.workers, backend=args.backend, policy=args.policy,
-        local_policy=args.local_policy, profile=args.profile, host=args.host, port=args.port,
-        metrics_port=args.metrics_port, nats_url=args.nats_url, redis_url=args.redis_url,
-        subject_prefix=args.subject_prefix, log_dir=args.log_dir, log_level=args.log_level,
-        extra_env=_predictor_env(args),
-    )
     return run_up(opts, args.state_file)
-
-
-def _predictor_env(args: argparse.Namespace) -> dict[str, str]:
-    """PM_* settings of ``up --predictor-model / --probe-model`` (each read by one service)."""
-    env = {}
-    if args.predictor_model:  # PM_MODEL_DIR: the predictor's; PM_PREDICT: the edge's
-        env.update(PM_MODEL_DIR=str(Path(args.predictor_model).resolve()), PM_PREDICT="1")
-    if args.probe_model:
-        env["PM_PROBE_MODEL"] = str(Path(args.probe_model).resolve())
-    return env
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

@@ -21,6 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from prefixmesh.services.scheduler.policies import DEFAULT_POLICY
+from prefixmesh.services.worker.engine.registry import BACKENDS
+from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
+from prefixmesh.shared.models import card_for
+from prefixmesh.shared.runtime.config import option
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
@@ -40,28 +46,47 @@ STOP_ORDER = ("edge", "worker", "scheduler", "tokenizer", "predictor", "metrics"
 
 @dataclass
 class MeshOptions:
-    """What ``prefixmesh up`` runs."""
+    """What ``prefixmesh up`` runs (each field is also its ``--flag``)."""
 
-    workers: int = 4
-    # Scheduler instances: one active, the others standing by on the Redis lease.
-    schedulers: int = 1
-    backend: str = "sim"
-    policy: str = "e2"
-    local_policy: str = "prefix_fair"
-    profile: str = "mistral-7b-a6000"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    metrics_port: int = 9100
-    nats_url: str = "nats://127.0.0.1:4222"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    subject_prefix: str = "pm"
-    log_dir: Path | None = None
-    log_level: str = "INFO"
+    workers: int = option(4, "number of worker replicas")
+    schedulers: int = option(1, "scheduler instances: one active, the others standing by on "
+                             "the Redis lease")
+    backend: str = option("sim", "engine backend of the workers", choices=tuple(BACKENDS))
+    policy: str = option(DEFAULT_POLICY, "global scheduling policy")
+    local_policy: str = option(DEFAULT_LOCAL_POLICY, "workers' local queue policy",
+                               choices=LOCAL_POLICIES)
+    profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPUs",
+                          choices=tuple(available_profiles()))
+    host: str = option("127.0.0.1", "edge and metrics listen address")
+    port: int = option(8000, "edge port (0 = any free port)")
+    metrics_port: int = option(9100, "metrics service port (0 = any free port)")
+    nats_url: str = option("nats://127.0.0.1:4222", "NATS to use; started here when nothing "
+                           "listens there")
+    redis_url: str = option("redis://127.0.0.1:6379/0", "Redis to use; started here when "
+                            "nothing listens there")
+    subject_prefix: str = option("pm", "NATS subject / Redis key prefix")
+    log_dir: Path | None = option(None, "service logs (default: a new temporary folder)")
+    log_level: str = option("INFO", "services' log level")
+    predictor_model: str = option("", "trained predictor artifact folder: the predictor "
+                                  "serves it and the edge asks it for every request's output "
+                                  "length (docs/predictor.md)")
+    probe_model: str = option("", "hf workers: artifact whose probe refines remaining "
+                              "lengths in-process (use with --local-policy sprpt_limited)")
     # Workers already on the bus that this mesh does not start (e.g. standalone HTTP workers
     # joined with --nats-url, as `prefixmesh compare` runs them); readiness waits for them.
-    external_workers: int = 0
+    external_workers: int = field(default=0, metadata={"cli": False})
     # Extra PM_* environment for every service (e.g. {"PM_PREDICT": "1"}).
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
+
+    def service_env(self) -> dict[str, str]:
+        """PM_* settings every service gets: ``extra_env`` and what the predictor and probe
+        options mean for the service that reads them."""
+        env: dict[str, str] = {}
+        if self.predictor_model:  # PM_MODEL_DIR: the predictor's; PM_PREDICT: the edge's
+            env.update(PM_MODEL_DIR=str(Path(self.predictor_model).resolve()), PM_PREDICT="1")
+        if self.probe_model:
+            env["PM_PROBE_MODEL"] = str(Path(self.probe_model).resolve())
+        return {**env, **self.extra_env}
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -137,7 +162,7 @@ class LocalMesh:
         base = {
             "PM_NATS_URL": self.nats_url, "PM_REDIS_URL": self.redis_url,
             "PM_SUBJECT_PREFIX": o.subject_prefix, "PM_REDIS_PREFIX": o.subject_prefix,
-            "PM_LOG_LEVEL": o.log_level, "PYTHONUNBUFFERED": "1", **o.extra_env, **env,
+            "PM_LOG_LEVEL": o.log_level, "PYTHONUNBUFFERED": "1", **o.service_env(), **env,
         }
         proc = ManagedProcess(name, [sys.executable, "-m", f"prefixmesh.services.{module}"],
                               env=child_env(**base), log_path=self.log_dir / f"{name}.log")
@@ -155,14 +180,17 @@ class LocalMesh:
         for i in range(o.workers):
             self._spawn("worker", f"worker-{i}", PM_WORKER_ID=f"w{i}", PM_BACKEND=o.backend,
                         PM_PROFILE=o.profile, PM_LOCAL_POLICY=o.local_policy)
-        self._spawn("edge", "edge", PM_HOST=o.host, PM_PORT=str(o.port))
+        served = card_for(o.backend, o.profile)  # what the workers serve, if known here
+        models = ({"PM_MODELS": served.name}
+                  if served is not None and "PM_MODELS" not in o.extra_env else {})
+        self._spawn("edge", "edge", PM_HOST=o.host, PM_PORT=str(o.port), **models)
         self._wait_ready()
         return self
 
     def _check_alive(self) -> None:
         for p in self.services:
             if not p.alive():
-                raise RuntimeError(f"{p.name} exited with {p.proc.returncode}; "
+                raise RuntimeError(f"{p.name} exited with {p.returncode}; "
                                    f"see {self.log_dir / (p.name + '.log')}")
 
     def _wait_ready(self) -> None:
@@ -224,13 +252,19 @@ def run_up(opts: MeshOptions, state_file: Path | None = None) -> int:
     mesh = LocalMesh(opts)
     try:
         mesh.start()
+        scrape = mesh.scrape_urls()
         state = {"url": mesh.url, "metrics_url": mesh.metrics_url, "pids": mesh.pids(),
                  "log_dir": str(mesh.log_dir), "nats_url": mesh.nats_url,
-                 "redis_url": mesh.redis_url}
+                 "redis_url": mesh.redis_url, "scrape_urls": scrape}
         if state_file is not None:
             state_file.write_text(json.dumps(state, indent=2))
         print(f"prefixmesh is up: {mesh.url}  (OpenAI base URL {mesh.url}/v1)", flush=True)
-        print(f"metrics: {mesh.metrics_url}/metrics   logs: {mesh.log_dir}", flush=True)
+        print(f"dashboard: {mesh.metrics_url}/   logs: {mesh.log_dir}", flush=True)
+        # Every service serves its own Prometheus metrics (the scheduler's decisions and
+        # latency, each worker's steps...): all of them, for a scrape config.
+        print("metrics, by service:", flush=True)
+        for name, url in scrape.items():
+            print(f"  {name:<12} {url}", flush=True)
         print("press Ctrl-C to stop", flush=True)
         code = mesh.watch(stop_requested)
     except (RuntimeError, TimeoutError) as exc:

@@ -21,13 +21,13 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from prefixmesh.shared.wire import encode
 from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.wire import encode
 
 log = logging.getLogger(__name__)
 
+# The decoded message type: a decoder's type fixes what a handler receives or a request returns.
 T = TypeVar("T")
-R = TypeVar("R", bound=msgspec.Struct)
 
 # Reconnect forever, quickly: a NATS restart must heal without manual action.
 RECONNECT_WAIT_S = 0.5
@@ -89,7 +89,7 @@ class Bus:
         await self.nc.publish(subject, encode(msg))
 
     async def request(self, subject: str, msg: msgspec.Struct,
-                      decoder: msgspec.msgpack.Decoder, timeout: float) -> msgspec.Struct:
+                      decoder: msgspec.msgpack.Decoder[T], timeout: float) -> T:
         """Send a request and decode the reply; raises ``BusUnavailable`` when unanswered."""
         if not self.nc.is_connected:
             raise BusUnavailable(f"not connected to NATS (request on {subject})")
@@ -101,8 +101,8 @@ class Bus:
             raise BusUnavailable(f"timeout after {timeout}s on {subject}") from None
         return decoder.decode(reply.data)
 
-    async def subscribe(self, subject: str, decoder: msgspec.msgpack.Decoder,
-                        handler: Callable[[msgspec.Struct], Awaitable[None]],
+    async def subscribe(self, subject: str, decoder: msgspec.msgpack.Decoder[T],
+                        handler: Callable[[T], Awaitable[None]],
                         queue: str = "") -> Subscription:
         """Call ``handler`` with each decoded message; malformed ones are logged and dropped."""
 
@@ -119,8 +119,8 @@ class Bus:
 
         return await self._subscribed(subject, queue, on_msg)
 
-    async def serve(self, subject: str, decoder: msgspec.msgpack.Decoder,
-                    handler: Callable[[msgspec.Struct], Awaitable[msgspec.Struct]],
+    async def serve(self, subject: str, decoder: msgspec.msgpack.Decoder[T],
+                    handler: Callable[[T], Awaitable[msgspec.Struct]],
                     on_malformed: Callable[[str], msgspec.Struct],
                     queue: str = "") -> Subscription:
         """Answer requests on ``subject``: decode, call ``handler``, reply with its Struct.

@@ -56,6 +56,10 @@ class CostModel:
     attention: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     quadratic: tuple[float, float, float, float] | None = None
     per_request: tuple[float, float, float, float] | None = None
+    # The model whose GPU time the profile describes, and its context length (tokens): what
+    # a simulated worker on this profile imitates (shared/models.py).
+    model: str = ""
+    context_length: int = 0
 
     # ------------------------------------------------------------------ loading
 
@@ -88,6 +92,8 @@ class CostModel:
             ),
             quadratic=(quad["threshold_es"], quad["e"], quad["s"], quad["es"]) if quad else None,
             per_request=(per["const"], per["e"], per["s"], per["es"]) if per else None,
+            model=d.get("model", ""),
+            context_length=int(d.get("context_length", 0)),
         )
 
     @staticmethod

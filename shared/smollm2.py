@@ -20,7 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from prefixmesh.shared.text.gguf_vocab import CACHE_ENV, DEFAULT_CACHE_DIR, find_smollm2_gguf
+from prefixmesh.shared.text.gguf_vocab import (
+    CACHE_ENV,
+    DEFAULT_CACHE_DIR,
+    find_smollm2_gguf,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,8 @@ log = logging.getLogger(__name__)
 SMOLLM2_MODEL_SUBDIR = Path("models") / "smollm2-135m-instruct-fp32"
 # Written last into a converted folder: its presence means the conversion finished.
 COMPLETE_MARKER = ".complete"
-ML_EXTRA_HINT = "pip install 'prefixmesh[ml]' (`make setup-test` installs it; torch is pinned to the CPU build)"
+ML_EXTRA_HINT = ("pip install 'prefixmesh[ml]' (`make setup-test` installs it; torch is pinned "
+                 "to the CPU build)")
 
 
 def missing_dependencies() -> str | None:
@@ -65,7 +70,8 @@ def ensure_converted(root: Path | None = None) -> Path:
     # The weights are dequantized already; drop the GGUF quantizer so they can be saved.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    # torch annotates Module.__setattr__ values as Tensor | Module; any value works at runtime.
+    model.hf_quantizer = None  # type: ignore[assignment]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:

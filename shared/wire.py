@@ -131,17 +131,31 @@ class PredictLengthReply(_Msg):
 # --------------------------------------------------------------------------- scheduler
 
 
-class RouteRequest(_Msg):
-    """Ask the global scheduler which worker serves a request (subject ``sched.route``)."""
+class TokenizedRequest(_Msg):
+    """A request once its prompt is token ids: what the edge asks the scheduler to route
+    (subject ``sched.route``) and then submits to the chosen worker
+    (``worker.<id>.submit``), one message for both stages."""
 
     request_id: str
-    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted).
-    block_hashes: list[int]
-    prompt_tokens: int
-    max_tokens: int
+    token_ids: list[int]
+    sampling: SamplingParams
+    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain):
+    # the scheduler matches them against its prefix tree, the engine against its cache.
+    block_hashes: list[int] = []
+    # Subject the worker streams GenerateChunkEvent / RequestDoneEvent to.
+    reply_to: str = ""
     tenant: str = ""
-    # Predicted output tokens (0 = none; the scheduler uses its windowed average).
+    # Predicted output tokens (0 = none: the scheduler uses its windowed average, the
+    # local policy its own).
     predicted_output: float = 0.0
+    # The predictor's bin distribution behind predicted_output (None = none).
+    predicted_distribution: LengthDistribution | None = None
+    # Offline batch id for batch-group scheduling ("" = interactive).
+    batch_id: str = ""
+    # Absolute wall-clock deadline (unix seconds, 0 = none).
+    deadline: float = 0.0
+    # Creation time at the edge (unix seconds) for queue-time accounting.
+    created: float = 0.0
     # Workers the edge already tried for this request (retry after a failure).
     exclude: list[str] = []
 
@@ -163,31 +177,10 @@ class ResyncRequest(_Msg):
     reason: str = ""
 
 
-SchedulerRequest = RouteRequest
+SchedulerRequest = TokenizedRequest
 
 
 # --------------------------------------------------------------------------- worker
-
-
-class GenerateRequest(_Msg):
-    """A request handed to one worker (subject ``worker.<id>.submit``)."""
-
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParams
-    # Subject the worker streams GenerateChunkEvent / GenerateDoneEvent to.
-    reply_to: str
-    tenant: str = ""
-    # Predicted output tokens for length-aware local policies (0 = none).
-    predicted_output: float = 0.0
-    # Offline batch id for batch-group scheduling ("" = interactive).
-    batch_id: str = ""
-    # Absolute wall-clock deadline (unix seconds, 0 = none).
-    deadline: float = 0.0
-    # Monotonic-free creation time at the edge (unix seconds) for queue-time accounting.
-    created: float = 0.0
-    # The predictor's bin distribution behind predicted_output (None = none).
-    predicted_distribution: LengthDistribution | None = None
 
 
 class AbortRequest(_Msg):
@@ -207,7 +200,7 @@ class ResumeRequest(_Msg):
 
 
 class SubmitReply(_Msg):
-    """A worker's acknowledgement of a GenerateRequest: queued, or refused with a reason."""
+    """A worker's acknowledgement of a TokenizedRequest: queued, or refused with a reason."""
 
     request_id: str
     worker_id: str = ""
@@ -215,7 +208,7 @@ class SubmitReply(_Msg):
     error: ErrorInfo | None = None
 
 
-WorkerRequest = GenerateRequest | AbortRequest | ResyncRequest | ResumeRequest
+WorkerRequest = TokenizedRequest | AbortRequest | ResyncRequest | ResumeRequest
 
 
 class TopLogprob(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -236,7 +229,7 @@ class TokenLogprob(msgspec.Struct, omit_defaults=True, array_like=True):
 
 
 class GenerateChunkEvent(_Msg):
-    """Newly generated tokens of one request, streamed to ``GenerateRequest.reply_to``."""
+    """Newly generated tokens of one request, streamed to ``TokenizedRequest.reply_to``."""
 
     request_id: str
     token_ids: list[int]
@@ -250,14 +243,17 @@ class GenerateChunkEvent(_Msg):
     cached_tokens: int = 0
 
 
-class GenerateDoneEvent(_Msg):
-    """Final message of a request's stream: usage, timings, finish reason or error."""
+class RequestDoneEvent(_Msg):
+    """A request's end, one message for two readers: the last message of its stream (to
+    ``TokenizedRequest.reply_to``) and its completion record (subject ``done``: the
+    scheduler's load window, the metrics service)."""
 
     request_id: str
     worker_id: str
     finish_reason: str = "length"  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens served from the prefix cache.
     cached_tokens: int = 0
     # Seconds spent waiting in the worker before the first scheduled step.
     queue_s: float = 0.0
@@ -265,13 +261,14 @@ class GenerateDoneEvent(_Msg):
     ttft_s: float = 0.0
     # Seconds from arrival at the worker to completion.
     latency_s: float = 0.0
+    tenant: str = ""
     error: ErrorInfo | None = None
 
 
-StreamEvent = GenerateChunkEvent | GenerateDoneEvent
+StreamEvent = GenerateChunkEvent | RequestDoneEvent
 
 
-# --------------------------------------------------------------------------- KV events (vLLM schema)
+# ------------------------------------------------------------------ KV events (vLLM schema)
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
@@ -339,21 +336,6 @@ class LoadReportEvent(_Msg):
     avg_step_s: float = 0.0
 
 
-class RequestDoneEvent(_Msg):
-    """Completion record of one request, for the scheduler's window and metrics (``done``)."""
-
-    request_id: str
-    worker_id: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    queue_s: float = 0.0
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-    finish_reason: str = "length"
-    tenant: str = ""
-
-
 class BatchProgressEvent(_Msg):
     """An offline batch's progress, from the edge running it (subject ``batch.progress``)."""
 
@@ -410,16 +392,20 @@ BusEvent = (KvEventBatch | LoadReportEvent | RequestDoneEvent | BatchProgressEve
 
 ENCODER = msgspec.msgpack.Encoder()
 
-TOKENIZER_REQUEST = msgspec.msgpack.Decoder(TokenizerRequest)
-TOKENIZER_REPLY = msgspec.msgpack.Decoder(TokenizerReply)
-PREDICT_REQUEST = msgspec.msgpack.Decoder(PredictLengthRequest)
-PREDICT_REPLY = msgspec.msgpack.Decoder(PredictLengthReply)
-ROUTE_REQUEST = msgspec.msgpack.Decoder(SchedulerRequest)
-ROUTE_REPLY = msgspec.msgpack.Decoder(RouteReply)
-WORKER_REQUEST = msgspec.msgpack.Decoder(WorkerRequest)
-SUBMIT_REPLY = msgspec.msgpack.Decoder(SubmitReply)
-STREAM_EVENT = msgspec.msgpack.Decoder(StreamEvent)
-BUS_EVENT = msgspec.msgpack.Decoder(BusEvent)
+# The union decoders are annotated: mypy types ``Decoder(A | B)`` as ``Decoder[Any]``, and the
+# annotation is what lets Bus.request/serve/subscribe check replies and handlers.
+_Decoder = msgspec.msgpack.Decoder
+
+TOKENIZER_REQUEST: _Decoder[TokenizerRequest] = _Decoder(TokenizerRequest)
+TOKENIZER_REPLY: _Decoder[TokenizerReply] = _Decoder(TokenizerReply)
+PREDICT_REQUEST = _Decoder(PredictLengthRequest)
+PREDICT_REPLY = _Decoder(PredictLengthReply)
+ROUTE_REQUEST = _Decoder(SchedulerRequest)
+ROUTE_REPLY = _Decoder(RouteReply)
+WORKER_REQUEST: _Decoder[WorkerRequest] = _Decoder(WorkerRequest)
+SUBMIT_REPLY = _Decoder(SubmitReply)
+STREAM_EVENT: _Decoder[StreamEvent] = _Decoder(StreamEvent)
+BUS_EVENT: _Decoder[BusEvent] = _Decoder(BusEvent)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

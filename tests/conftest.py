@@ -2,6 +2,10 @@
 
 Each test gets its own subject prefix and Redis key prefix, so tests never see each other's
 traffic even though they share one server of each.
+
+A test's kind is the folder it lives in: ``tests/unit/...`` is marked ``unit``,
+``tests/integration/...`` ``integration``, and so on (``pytest_collection_modifyitems``
+below), so ``pytest -m unit`` selects by folder without a marker line in every module.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +30,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("require_extras"):
         os.environ[REQUIRE_EXTRAS_ENV] = "1"
+
+
+# Folder under tests/ -> the marker every test in it gets (registered in pyproject.toml).
+FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "e2e": "e2e", "ml": "ml",
+                  "gpu": "gpu"}
+TESTS = Path(__file__).resolve().parent
+
+
+def folder_marker(path: Path) -> str | None:
+    """The marker of a test file's folder under tests/ (None outside those folders)."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = folder_marker(item.path)
+        if marker is not None:
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +77,47 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def prefix() -> str:
     """A subject / key prefix unique to one test."""
     return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+async def connect_bus(nats_server: str, prefix: str):
+    """``await connect_bus(subject_prefix=None, name="test-client")``: a ``Bus`` on the
+    session's nats-server under ``subject_prefix`` (the test's ``prefix`` by default);
+    every bus it connected is closed after the test."""
+    from prefixmesh.shared.bus import Bus
+    from prefixmesh.shared.subjects import Subjects
+
+    buses: list[Bus] = []
+
+    async def connect(subject_prefix: str | None = None, name: str = "test-client") -> Bus:
+        b = await Bus.connect(nats_server, Subjects(subject_prefix or prefix), name)
+        buses.append(b)
+        return b
+
+    yield connect
+    for b in reversed(buses):
+        await b.close()
+
+
+@pytest.fixture
+async def bus(connect_bus):
+    """A ``Bus`` under the test's ``prefix`` (closed after the test)."""
+    return await connect_bus()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root holding the default (SmolLM2) tokenizer, built once per session (~5 s)."""
+    from prefixmesh.shared.text.gguf_vocab import ensure_default_tokenizer
+
+    root = tmp_path_factory.mktemp("tokcache")
+    ensure_default_tokenizer(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer_dir: Path):
+    """The default tokenizer, loaded from ``tokenizer_dir``."""
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
+
+    return TextTokenizer.load(cache_dir=tokenizer_dir)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -91,8 +92,8 @@ def bench_service(args: argparse.Namespace) -> dict:
 async def _nats_rounds(url: str, prefix: str, prompts: list[list[int]], batch: int,
                        rounds: int, timeout: float) -> tuple[list[float], list[float], int]:
     from prefixmesh.shared.bus import Bus, BusUnavailable
-    from prefixmesh.shared.wire import PREDICT_REPLY, PredictLengthRequest
     from prefixmesh.shared.subjects import Subjects
+    from prefixmesh.shared.wire import PREDICT_REPLY, PredictLengthRequest
 
     bus = await Bus.connect(url, Subjects(prefix), "predictor-bench")
     try:
@@ -146,8 +147,13 @@ def _batch_sizes(port: int) -> dict:
 
 def bench_nats(args: argparse.Namespace) -> dict:
     """Rounds of ``batch`` concurrent requests to a predictor process over NATS."""
+    from prefixmesh.shared.runtime.servers import (
+        ManagedProcess,
+        child_env,
+        free_port,
+        start_nats,
+    )
     from prefixmesh.shared.text.tokenizer import TextTokenizer
-    from prefixmesh.shared.runtime.servers import ManagedProcess, child_env, free_port, start_nats
 
     prompts = chat_prompts(args.batch * args.batches, TextTokenizer.load())
     with tempfile.TemporaryDirectory() as tmp:
@@ -222,24 +228,24 @@ def _run_requests(engine, tok, prompts: list[list[int]], max_tokens: int) -> lis
 
 def bench_refine(args: argparse.Namespace) -> dict:
     """Refinement cost per decode step against the hf engine's decode step."""
-    from prefixmesh.shared.text.tokenizer import TextTokenizer
     from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig
     from prefixmesh.services.worker.local import make_local_policy
     from prefixmesh.services.worker.refiner import attach_refiner
+    from prefixmesh.shared.text.tokenizer import TextTokenizer
 
     tok = TextTokenizer.load()
     prompts = [p[:args.prompt_tokens] for p in chat_prompts(args.requests, tok)]
     cfg = HfEngineConfig(num_blocks=256, threads=args.threads)
     base = HfEngine(cfg, make_local_policy("sprpt_limited"), tok)
     base.load()
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for mode in args.order.split(","):
         engine = HfEngine(cfg, make_local_policy("sprpt_limited"), tok)
         refiner = attach_refiner(engine, args.model) if mode == "refine" else None
         engine.model, engine.pool = base.model, base.pool
         decode = _run_requests(engine, tok, prompts, args.max_tokens)
         engine.close()
-        row = {"decode_step": _ms(decode)}
+        row: dict[str, Any] = {"decode_step": _ms(decode)}
         if refiner is not None:
             per_step = refiner.seconds / max(refiner.calls, 1)
             row.update({

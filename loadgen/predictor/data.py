@@ -28,6 +28,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -83,12 +84,16 @@ def load_samples(n: int, seed: int, max_prompt: int, tok, sample_filter: str = "
 
     if sample_filter not in SAMPLE_FILTERS:
         raise ValueError(f"sample filter must be one of {SAMPLE_FILTERS}")
-    from prefixmesh.loadgen.workloads.sharegpt import MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS
+    from prefixmesh.loadgen.workloads.sharegpt import (
+        MAX_PROMPT_TOKENS,
+        MAX_TOTAL_TOKENS,
+        MIN_TOKENS,
+    )
 
     pairs = first_exchanges()
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
-    out = []
+    out: list[Sample] = []
     for i in order:
         if len(out) == n:
             break
@@ -211,8 +216,9 @@ def collect_hidden(samples: list[Sample], layers: list[int], stride: int, max_re
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp.npz")
-                np.savez(tmp, steps=c_steps, owner=c_owner,
-                         **{f"layer{k}": v for k, v in got.items()})
+                # Any: mypy matches a ** dict of arrays against savez's allow_pickle: bool.
+                layer_arrays: dict[str, Any] = {f"layer{k}": v for k, v in got.items()}
+                np.savez(tmp, steps=c_steps, owner=c_owner, **layer_arrays)
                 tmp.replace(path)
         for k in layers:
             per_layer[k].append(got[k])

@@ -18,8 +18,9 @@ def train_classifier(x: np.ndarray, y: np.ndarray, model: nn.Module, epochs: int
     # generator had when ``model`` was built.
     torch.manual_seed(seed)
     for layer in model.modules():
-        if hasattr(layer, "reset_parameters"):
-            layer.reset_parameters()
+        reset = getattr(layer, "reset_parameters", None)
+        if callable(reset):
+            reset()
     batch = min(256, max(16, len(x) // 10))
     xt, yt = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(y.astype(np.int64))
     # Standardise inputs inside the model (hidden states have large per-dim offsets).

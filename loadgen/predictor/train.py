@@ -1,4 +1,4 @@
-"""``prefixmesh predictor collect|train|eval|plot``: TRAIL's predictors on ShareGPT, SmolLM2 lengths.
+"""``prefixmesh predictor``: TRAIL's length predictors on ShareGPT and SmolLM2's lengths.
 
 Data (loadgen/predictor/data.py): a seeded order of ShareGPT first exchanges, optionally
 filtered as the ``sharegpt`` workload filters them. With ``--split test-first`` (new
@@ -34,6 +34,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -56,6 +57,9 @@ from prefixmesh.shared.trail.lengths import (
     probe_estimate,
     probe_input,
 )
+
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ def remaining_median(lengths: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return out
 
 
-def _mae(pred: np.ndarray, target: np.ndarray) -> float:
+def _mae(pred: np.ndarray | float, target: np.ndarray) -> float:
     return float(np.mean(np.abs(np.asarray(pred) - target)))
 
 
@@ -146,10 +150,16 @@ def collect(args: argparse.Namespace) -> dict:
 
 def train(args: argparse.Namespace) -> dict:
     """Build and save an artifact; returns its config."""
-    from prefixmesh.shared.trail.artifact import HEAD_HIDDEN, PROBE_HIDDEN, PredictorArtifact, mlp, predict_proba
-    from prefixmesh.services.predictor.encoder import PromptEncoder
     from prefixmesh.loadgen.predictor.fit import train_classifier
+    from prefixmesh.services.predictor.encoder import PromptEncoder
     from prefixmesh.shared.text.tokenizer import TextTokenizer
+    from prefixmesh.shared.trail.artifact import (
+        HEAD_HIDDEN,
+        PROBE_HIDDEN,
+        PredictorArtifact,
+        mlp,
+        predict_proba,
+    )
 
     cfg = {k: v for k, v in vars(args).items() if k not in ("func", "out", "verb", "json")}
     tok = TextTokenizer.load()
@@ -170,7 +180,7 @@ def train(args: argparse.Namespace) -> dict:
     val = slice(n_fit, None)
     head_val = {e: _mae(expected_length(predict_proba(fit_head(slice(0, n_fit), e), emb[val]),
                                         bins), lengths[val]) for e in HEAD_EPOCHS}
-    head_epochs = min(head_val, key=head_val.get)
+    head_epochs = min(head_val, key=head_val.__getitem__)
     log.info("head validation MAE by epochs %s: %d chosen", head_val, head_epochs)
     head_fit = fit_head(slice(0, n_fit), head_epochs)
 
@@ -182,7 +192,10 @@ def train(args: argparse.Namespace) -> dict:
     fit = owner < n_fit
     with_steps = args.step_features
     epoch_grid = PROBE_EPOCHS if args.epochs == "auto" else (int(args.epochs),)
-    val_mae, val_probe, val_epochs = {}, {}, {}  # per layer: its best epoch count
+    # Per layer: the validation MAE, probe and epoch count of its best epoch count.
+    val_mae: dict[int, float] = {}
+    val_probe: dict[int, nn.Module] = {}
+    val_epochs: dict[int, int] = {}
     for k in layers:
         x = probe_input(hidden[k], steps, with_steps)
         for e in epoch_grid:
@@ -193,7 +206,7 @@ def train(args: argparse.Namespace) -> dict:
             log.info("layer %d, %d epochs: validation MAE %.1f tokens", k, e, mae)
             if k not in val_mae or mae < val_mae[k]:
                 val_mae[k], val_probe[k], val_epochs[k] = mae, probe, e
-    best = min(val_mae, key=val_mae.get)
+    best = min(val_mae, key=val_mae.__getitem__)
     # Forgetting factor on the validation requests (head and probe trained without them).
     init_val = predict_proba(head_fit, emb)  # rows of validation requests are used below
     x_best = probe_input(hidden[best], steps, with_steps)
@@ -201,7 +214,7 @@ def train(args: argparse.Namespace) -> dict:
     forget_val = {f: _mae(refine(init_val, probs_val, owner[~fit], steps[~fit], bins,
                                  args.stride, f, args.probe_target), remaining[~fit])
                   for f in FORGET_GRID}
-    forget = (min(forget_val, key=forget_val.get) if args.forget == "auto"
+    forget = (min(forget_val, key=forget_val.__getitem__) if args.forget == "auto"
               else float(args.forget))
     log.info("refined validation MAE by forgetting factor %s: %.2f used", forget_val, forget)
     head = fit_head(slice(None), head_epochs)
@@ -224,9 +237,9 @@ def train(args: argparse.Namespace) -> dict:
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Score an artifact on its held-out split (same seed, filter and sizes as training)."""
-    from prefixmesh.shared.trail.artifact import PredictorArtifact, predict_proba
     from prefixmesh.services.predictor.encoder import PromptEncoder
     from prefixmesh.shared.text.tokenizer import TextTokenizer
+    from prefixmesh.shared.trail.artifact import PredictorArtifact, predict_proba
 
     art = PredictorArtifact.load(Path(args.model))
     tc = art.train_config
@@ -236,7 +249,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     enc = PromptEncoder(threads=tc["threads"], mode=tc["encoder"])
     initial = predict_proba(art.head, enc.encode_many([s.prompt for s in samples]))
     lengths = np.array([s.length for s in samples])
-    init_pred = expected_length(initial, bins)
+    init_pred = np.asarray(expected_length(initial, bins))  # rows in: rows out
     hidden, steps, owner = collect_hidden(samples, [art.layer], stride, tc["max_reply"],
                                           tc["threads"], _cache(tc))
     probs = predict_proba(art.probe, probe_input(hidden[art.layer], steps, art.step_features))
@@ -268,7 +281,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             by_step.append({"from": lo, "to": lo + bucket, "n": int(m.sum()),
                             **{f"mae_{k}": round(float(v[m].mean()), 2)
                                for k, v in err.items()}})
-    result = {
+    result: dict[str, Any] = {
         "mae_bert": round(_mae(init_pred, lengths), 2),
         "mae_refined": round(float(err["refined"].mean()), 2),
         "mae_refined_trail_update": round(float(err["trail"].mean()), 2),

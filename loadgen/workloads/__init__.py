@@ -10,7 +10,11 @@ and tokenized once per process), shared helpers in ``base``, names and mixes in
 ``docs/workloads.md`` describes each workload and its measured statistics.
 """
 
-from prefixmesh.loadgen.workloads.base import WorkloadOptions, WorkloadRequest, zipf_weights
+from prefixmesh.loadgen.workloads.base import (
+    WorkloadOptions,
+    WorkloadRequest,
+    zipf_weights,
+)
 from prefixmesh.loadgen.workloads.registry import (
     WORKLOADS,
     WorkloadSpec,

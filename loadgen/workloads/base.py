@@ -1,4 +1,5 @@
-"""What every workload shares: the request record, options, the tokenizer and prompt helpers.
+"""What every workload shares: the request record, options, the tokenizer, prompt helpers
+and the ways requests are spread over shared prefixes.
 
 Workloads build prompts as lists of SmolLM2 token ids by concatenating pieces that were
 tokenized once per process (see ``sources``). Joining separately tokenized pieces is not
@@ -14,7 +15,7 @@ import math
 import random
 import statistics
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from itertools import accumulate
 
@@ -135,9 +136,19 @@ def chat_close() -> list[int]:
     return encode(f"{IM_END}\n")
 
 
-def assistant_open() -> list[int]:
-    """The generation prompt ``<|im_start|>assistant\\n``."""
-    return chat_open("assistant")
+def system_turn(text: str) -> list[int]:
+    """``<|im_start|>system\\n`` + ``text``: a prompt's start, its system turn left open for
+    what the workload adds to it (tool list, demonstrations) before ``next_turn("user")``."""
+    return chat_open("system") + encode(text)
+
+
+def next_turn(role: str) -> list[int]:
+    """``<|im_end|>\\n<|im_start|>role\\n``: closes the open turn and opens ``role``'s;
+    ``next_turn("assistant")`` ends a prompt with SmolLM2's generation prompt.
+
+    The two are tokenized apart (each memoized), like every other piece (see above), so a
+    seed's prompts keep the token ids they always had."""
+    return chat_close() + chat_open(role)
 
 
 def zipf_weights(n: int, s: float) -> list[float]:
@@ -176,6 +187,49 @@ def variant_header(kind: str, variant: int, real: int) -> str:
     if variant < real:
         return ""
     return f"[{kind} collection {variant // real}, item {variant % real}]\n"
+
+
+def variant_tokens(kind: str, variant: int, real: int) -> list[int]:
+    """Token ids of ``variant_header`` (none for a real prefix), to put before the shared
+    part of a prefix."""
+    header = variant_header(kind, variant, real)
+    return encode(header) if header else []
+
+
+def numbered(picks: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """Each pick with how often the same value came before it (0 the first time).
+
+    A workload cycles through a prefix's own items (questions, queries) by this number, or
+    seeds the next one with it (posts), so a prefix's successive requests ask different
+    things whichever prefixes the other requests draw."""
+    seen: dict[int, int] = {}
+    for p in picks:
+        k = seen.get(p, 0)
+        seen[p] = k + 1
+        yield p, k
+
+
+def prefix_items(rng: random.Random, count: int, items: Callable[[int], int],
+                 prefixes: int | None, zipf: float | None, real: int
+                 ) -> list[tuple[int, int]]:
+    """(prefix, item) of ``count`` requests to prefixes that own a list of items (a video's
+    or a document's questions); ``items(p)`` is how many prefix ``p`` owns.
+
+    With ``prefixes`` and ``zipf`` both None, prefixes 0, 1, 2, ... each bring all of their
+    items in turn until ``count`` is reached and the pairs are shuffled: every prefix gets
+    its real share, as in the data. Otherwise ``pick_prefixes`` spreads the requests over
+    ``prefixes`` (default ``real``) prefixes and each cycles through its items.
+    """
+    picks: list[tuple[int, int]] = []
+    if prefixes is None and zipf is None:
+        p = 0
+        while len(picks) < count:
+            picks.extend((p, k) for k in range(min(items(p), count - len(picks))))
+            p += 1
+        rng.shuffle(picks)
+        return picks
+    return [(p, k % items(p))
+            for p, k in numbered(pick_prefixes(rng, count, prefixes or real, zipf))]
 
 
 def rescale_lengths(real: Sequence[int], mean: float, std: float, lo: int = 1,

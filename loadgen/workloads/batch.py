@@ -20,7 +20,7 @@ from prefixmesh.loadgen.workloads.base import (
     WorkloadRequest,
     encode,
     stable_seed,
-    variant_header,
+    variant_tokens,
 )
 from prefixmesh.loadgen.workloads.sources import loogle_documents
 
@@ -70,8 +70,7 @@ def build(count: int, seed: int, opts: BatchOptions) -> list[WorkloadRequest]:
     for g, size in enumerate(sizes):
         d, start = sections[g % n_real]
         doc = docs[d]
-        header = variant_header("section", g, n_real)
-        pre = (instruction + (encode(header) if header else [])
+        pre = (instruction + variant_tokens("section", g, n_real)
                + doc.text[start: start + opts.doc_tokens] + question)
         q_order = list(range(len(doc.questions)))
         random.Random(stable_seed("batch-questions", seed, g)).shuffle(q_order)

@@ -27,9 +27,12 @@ from prefixmesh.loadgen.workloads.base import (
     interleave_sessions,
     pick_prefixes,
     stable_seed,
-    variant_header,
+    variant_tokens,
 )
-from prefixmesh.loadgen.workloads.sources import AlfworldTrajectory, alfworld_trajectories
+from prefixmesh.loadgen.workloads.sources import (
+    AlfworldTrajectory,
+    alfworld_trajectories,
+)
 
 # ReAct's ALFWorld prompt (its alfworld.ipynb), with the number of examples filled in.
 REACT_INSTRUCTION = "Interact with a household to solve a task. Here are {n} examples.\n"
@@ -82,9 +85,8 @@ def build(count: int, seed: int, opts: EmbodiedOptions) -> list[WorkloadRequest]
                 break
             task = order[p % n_real]
             if p not in shared:
-                header = variant_header("agent", p, n_real)
                 demo_ids = _demos_for(task, trajs, opts.demos)
-                prefix = instruction + (encode(header) if header else [])
+                prefix = instruction + variant_tokens("agent", p, n_real)
                 for d in demo_ids:
                     prefix = prefix + trajs[d].text
                 shared[p] = prefix

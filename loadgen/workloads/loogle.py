@@ -23,9 +23,9 @@ from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     encode,
-    pick_prefixes,
+    prefix_items,
     stable_seed,
-    variant_header,
+    variant_tokens,
 )
 from prefixmesh.loadgen.workloads.sources import loogle_documents
 
@@ -57,26 +57,13 @@ def build(count: int, seed: int, opts: LoogleOptions) -> list[WorkloadRequest]:
     def request(p: int, q: int) -> WorkloadRequest:
         doc = docs[order[p % n_real]]
         if p not in shared:
-            header = variant_header("document", p, n_real)
-            shared[p] = instruction + (encode(header) if header else []) + doc.text + question
+            shared[p] = instruction + variant_tokens("document", p, n_real) + doc.text + question
         pre = shared[p]
         out_len = min(doc.answer_tokens[q], MAX_ANSWER_TOKENS)
         return WorkloadRequest(prompt=pre + doc.questions[q] + answer, max_tokens=out_len,
                                prefix_id=f"doc{p}", output_len=out_len, tenant=opts.tenant,
                                shared_tokens=len(pre))
 
-    out: list[WorkloadRequest] = []
-    if opts.prefixes is None and opts.zipf is None:
-        p = 0
-        while len(out) < count:
-            n_q = len(docs[order[p % n_real]].questions)
-            out.extend(request(p, q) for q in range(min(n_q, count - len(out))))
-            p += 1
-        rng.shuffle(out)
-        return out
-    used: dict[int, int] = {}
-    for p in pick_prefixes(rng, count, opts.prefixes or n_real, opts.zipf):
-        q = used.get(p, 0)
-        used[p] = q + 1
-        out.append(request(p, q % len(docs[order[p % n_real]].questions)))
-    return out
+    return [request(p, q) for p, q in prefix_items(
+        rng, count, lambda p: len(docs[order[p % n_real]].questions), opts.prefixes,
+        opts.zipf, n_real)]

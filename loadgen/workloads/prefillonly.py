@@ -24,6 +24,7 @@ from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
     encode,
+    numbered,
     pick_prefixes,
     stable_seed,
 )
@@ -98,13 +99,10 @@ def build_postrec(count: int, seed: int, opts: PostrecOptions) -> list[WorkloadR
     post_open, question = encode(POSTREC_POST), encode(POSTREC_QUESTION)
     stream = loogle_token_stream()
     shared: dict[int, list[int]] = {}
-    posts: dict[int, int] = {}
     out = []
-    for u in pick_prefixes(rng, count, users, opts.zipf):
+    for u, k in numbered(pick_prefixes(rng, count, users, opts.zipf)):
         if u not in shared:
             shared[u] = head + profiles[u] + post_open
-        k = posts.get(u, 0)
-        posts[u] = k + 1
         start = random.Random(stable_seed("postrec", "post", seed, u, k)).randrange(len(stream))
         post = _window(stream, start, POST_TOKENS)
         out.append(WorkloadRequest(prompt=shared[u] + post + question, max_tokens=1,
@@ -124,13 +122,10 @@ def build_creditver(count: int, seed: int, opts: CreditverOptions) -> list[Workl
     head = encode(CREDIT_INSTRUCTION)
     questions = [encode(q) for q in CREDIT_QUESTIONS]
     shared: dict[int, list[int]] = {}
-    asked: dict[int, int] = {}
     out = []
-    for u in pick_prefixes(rng, count, users, opts.zipf):
+    for u, k in numbered(pick_prefixes(rng, count, users, opts.zipf)):
         if u not in shared:
             shared[u] = head + profiles[u]
-        k = asked.get(u, 0)
-        asked[u] = k + 1
         out.append(WorkloadRequest(
             prompt=shared[u] + questions[k % len(questions)], max_tokens=1,
             prefix_id=f"user{u}", output_len=1, tenant=opts.tenant,

@@ -32,14 +32,13 @@ from prefixmesh.loadgen.workloads.base import (
     LazyTokens,
     WorkloadOptions,
     WorkloadRequest,
-    assistant_open,
-    chat_close,
-    chat_open,
     encode,
     lognormal_quantiles,
+    next_turn,
     pick_prefixes,
     stable_seed,
-    variant_header,
+    system_turn,
+    variant_tokens,
 )
 from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
 
@@ -113,8 +112,7 @@ def build(count: int, seed: int, opts: ProgrammingOptions) -> list[WorkloadReque
     rng = random.Random(stable_seed("programming", seed))
     n_prefixes = opts.prefixes or DEFAULT_PREFIXES
     targets = _demo_targets(n_prefixes, rng)
-    system = encode(CODE_SYSTEM)
-    open_, close = encode(PROBLEM_OPEN), encode(PROBLEM_CLOSE) + chat_close() + assistant_open()
+    open_, close = encode(PROBLEM_OPEN), encode(PROBLEM_CLOSE) + next_turn("assistant")
     shared: dict[int, list[int]] = {}
 
     def prefix(p: int) -> list[int]:
@@ -123,12 +121,12 @@ def build(count: int, seed: int, opts: ProgrammingOptions) -> list[WorkloadReque
             random.Random(stable_seed("programming-demos", seed, p)).shuffle(order)
             # Demonstrations average ~550 tokens: tokenize a generous batch at once.
             data.demos.prefetch(order[: 4 + 3 * targets[p] // 500])
-            out = chat_open("system") + system
+            out = system_turn(CODE_SYSTEM)
             for d in order:
                 if len(out) >= targets[p]:
                     break
                 out = out + data.demos[d]
-            shared[p] = out + chat_close() + chat_open("user")
+            shared[p] = out + next_turn("user")
         return shared[p]
 
     n_problems = -(-count // opts.samples)
@@ -142,9 +140,9 @@ def build(count: int, seed: int, opts: ProgrammingOptions) -> list[WorkloadReque
     out: list[WorkloadRequest] = []
     for k, p in enumerate(pick_prefixes(rng, n_problems, n_prefixes, opts.zipf)):
         j = chosen[k]
-        header = variant_header("problem", k, len(problem_order))
         pre = prefix(p)
-        prompt = pre + open_ + (encode(header) if header else []) + data.problems[j] + close
+        prompt = (pre + open_ + variant_tokens("problem", k, len(problem_order))
+                  + data.problems[j] + close)
         for _ in range(min(opts.samples, count - len(out))):
             factor = math.exp(rng.gauss(-SAMPLE_SIGMA**2 / 2, SAMPLE_SIGMA))
             n_out = max(1, min(OUTPUT_MAX, round(outputs[k] * factor)))

@@ -17,7 +17,11 @@ from prefixmesh.loadgen.workloads import (
     toolbench,
     videoqa,
 )
-from prefixmesh.loadgen.workloads.base import WorkloadOptions, WorkloadRequest, stable_seed
+from prefixmesh.loadgen.workloads.base import (
+    WorkloadOptions,
+    WorkloadRequest,
+    stable_seed,
+)
 
 
 @dataclass(frozen=True, slots=True)

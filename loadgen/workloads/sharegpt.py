@@ -19,12 +19,10 @@ from dataclasses import dataclass
 from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
-    assistant_open,
-    chat_close,
-    chat_open,
-    encode,
     encode_many,
+    next_turn,
     stable_seed,
+    system_turn,
 )
 from prefixmesh.loadgen.workloads.sources import sharegpt_conversations
 from prefixmesh.shared.text.tokenizer import SMOLLM2_DEFAULT_SYSTEM_PROMPT
@@ -87,9 +85,8 @@ def conversation_requests(indices: list[int], tenant: str = "") -> list[Workload
     """The request of each conversation (index into the first-turn list), or None where
     the length filter rejects it."""
     cache = _turn_cache()
-    head = (chat_open("system") + encode(SMOLLM2_DEFAULT_SYSTEM_PROMPT) + chat_close()
-            + chat_open("user"))
-    tail = chat_close() + assistant_open()
+    head = system_turn(SMOLLM2_DEFAULT_SYSTEM_PROMPT) + next_turn("user")
+    tail = next_turn("assistant")
     out: list[WorkloadRequest | None] = [None] * len(indices)
     ok = [k for k, i in enumerate(indices) if cache.may_pass(i)]
     for k, turn in zip(ok, cache.get([indices[k] for k in ok])):

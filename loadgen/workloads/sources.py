@@ -160,11 +160,11 @@ def _alfworld(folder: Path) -> list[AlfworldTrajectory]:
     ids = iter(encode_many(texts))
     out = []
     for name, (_, steps) in zip(names, parsed):
-        text, obs = next(ids), next(ids)
+        text_ids, obs_ids = next(ids), next(ids)
         step_ids = [next(ids) for _ in steps]
         actions = [len(next(ids)) for _ in steps]
-        out.append(AlfworldTrajectory(name=name, task_type=name.split("_")[1], text=text,
-                                      observation=obs, steps=step_ids, actions=actions))
+        out.append(AlfworldTrajectory(name=name, task_type=name.split("_")[1], text=text_ids,
+                                      observation=obs_ids, steps=step_ids, actions=actions))
     return out
 
 
@@ -220,10 +220,10 @@ def _loogle(folder: Path) -> list[LoogleDocument]:
     ids = iter(encode_many(texts))
     out = []
     for title, qa in docs.values():
-        text = next(ids)
+        text_ids = next(ids)
         questions = [next(ids) for _ in qa]
         answers = [len(next(ids)) for _ in qa]
-        out.append(LoogleDocument(title=title, text=text, questions=questions,
+        out.append(LoogleDocument(title=title, text=text_ids, questions=questions,
                                   answer_tokens=answers))
     return out
 

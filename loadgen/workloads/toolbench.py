@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
     WorkloadRequest,
-    assistant_open,
-    chat_close,
-    chat_open,
     encode,
+    next_turn,
+    numbered,
     pick_prefixes,
     rescale_lengths,
     stable_seed,
-    variant_header,
+    system_turn,
+    variant_tokens,
     zipf_weights,
 )
 from prefixmesh.loadgen.workloads.sources import toolbench_data, toolbench_rows
@@ -84,28 +84,24 @@ def build(count: int, seed: int, opts: ToolbenchOptions) -> list[WorkloadRequest
     chosen = pick_prefixes(rng, count, n_prefixes, zipf)
     data.tool_sets.prefetch(order[p % n_real] for p in set(chosen))
 
-    head = chat_open("system") + encode(TOOLBENCH_SYSTEM)
+    head = system_turn(TOOLBENCH_SYSTEM)
     apis = encode(TOOLBENCH_APIS)
-    tail = encode(TOOLBENCH_BEGIN) + chat_close() + assistant_open()
-    user = chat_close() + chat_open("user")
+    tail = encode(TOOLBENCH_BEGIN) + next_turn("assistant")
+    user = next_turn("user")
     shared: dict[int, list[int]] = {}
     query_order: dict[int, list[int]] = {}
-    used: dict[int, int] = {}
     out: list[WorkloadRequest] = []
-    for p in chosen:
+    for p, k in numbered(chosen):
         real = order[p % n_real]
         if p not in shared:
-            header = variant_header("tool", p, n_real)
-            shared[p] = (head + (encode(header) if header else []) + apis
+            shared[p] = (head + variant_tokens("tool", p, n_real) + apis
                          + data.tool_sets[real] + user)
             own = rows_of_set[real]
             rest = [r for r in range(len(data.queries)) if data.row_tool_set[r] != real]
             random.Random(stable_seed("toolbench-queries", seed, p)).shuffle(rest)
             query_order[p] = own + rest
-            used[p] = 0
         rows = query_order[p]
-        row = rows[used[p] % len(rows)]
-        used[p] += 1
+        row = rows[k % len(rows)]
         prefix = shared[p]
         out.append(WorkloadRequest(
             prompt=prefix + data.queries[row] + tail, max_tokens=outputs[row],

@@ -27,12 +27,11 @@ from prefixmesh.loadgen.workloads.base import (
     VOCAB_SIZE,
     WorkloadOptions,
     WorkloadRequest,
-    assistant_open,
-    chat_close,
-    chat_open,
     encode,
-    pick_prefixes,
+    next_turn,
+    prefix_items,
     stable_seed,
+    system_turn,
 )
 from prefixmesh.loadgen.workloads.sources import NEXTQA_FILES, nextqa_data
 
@@ -74,28 +73,15 @@ def build(count: int, seed: int, opts: VideoqaOptions) -> list[WorkloadRequest]:
         order.extend(part)
 
     # (prefix, question index) of each request; prefix p is video order[p % n_real].
-    picks: list[tuple[int, int]] = []
-    if opts.prefixes is None and opts.zipf is None:
-        p = 0
-        while len(picks) < count:
-            qs = videos[order[p % n_real]].questions
-            picks.extend((p, q) for q in qs[: count - len(picks)])
-            p += 1
-        rng.shuffle(picks)
-    else:
-        used: dict[int, int] = {}
-        for p in pick_prefixes(rng, count, opts.prefixes or n_real, opts.zipf):
-            qs = videos[order[p % n_real]].questions
-            k = used.get(p, 0)
-            used[p] = k + 1
-            picks.append((p, qs[k % len(qs)]))
+    picks = [(p, videos[order[p % n_real]].questions[k]) for p, k in prefix_items(
+        rng, count, lambda p: len(videos[order[p % n_real]].questions), opts.prefixes,
+        opts.zipf, n_real)]
     data.questions.prefetch(q for _, q in picks)
     data.answers.prefetch(q for _, q in picks)
 
-    head = (chat_open("system") + encode(VIDEO_SYSTEM) + chat_close() + chat_open("user")
-            + encode(VIDEO_OPEN))
+    head = system_turn(VIDEO_SYSTEM) + next_turn("user") + encode(VIDEO_OPEN)
     close = encode(VIDEO_CLOSE)
-    tail = encode(VIDEO_INSTRUCTION) + chat_close() + assistant_open()
+    tail = encode(VIDEO_INSTRUCTION) + next_turn("assistant")
     shared: dict[int, list[int]] = {}
     out: list[WorkloadRequest] = []
     for p, q in picks:

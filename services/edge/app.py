@@ -17,14 +17,28 @@ from prefixmesh.services.edge.completion import complete, run_choice, token_prom
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.openapi import openapi_document
 from prefixmesh.services.edge.pipeline import MeshClient
-from prefixmesh.shared.openai.choices import ChoiceEvent, check_context, fan_out, stream_choices
-from prefixmesh.shared.openai.http import CLIENT_CLOSED, errors_middleware, read_body
-from prefixmesh.shared.openai.responses import ResponseMeta, Usage
-from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, parse_chat, parse_completion
 from prefixmesh.services.edge.scoring import parse_score, score
 from prefixmesh.services.edge.tenants import Admission, ApiKeys
+from prefixmesh.shared.openai.choices import (
+    ChoiceEvent,
+    check_context,
+    fan_out,
+    stream_choices,
+)
+from prefixmesh.shared.openai.http import CLIENT_CLOSED, errors_middleware, read_body
+from prefixmesh.shared.openai.responses import ResponseMeta, Usage
+from prefixmesh.shared.openai.schema import (
+    ApiError,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
 from prefixmesh.shared.runtime.log import bind_request
-from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
+from prefixmesh.shared.runtime.metrics import (
+    LATENCY_BUCKETS_S,
+    health_handler,
+    metrics_handler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +123,7 @@ async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: s
         body, usage = await complete(mesh, cfg, parsed, rid, prompts, tenant)
         _observe(route, usage, time.monotonic() - started, None, tenant)
         return web.json_response(body, headers=headers)
-    check_context(prompts, parsed.sampling.max_tokens, cfg.max_model_len)
+    check_context(prompts, parsed.sampling.max_tokens, cfg.context_lengths[parsed.model])
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     tasks = [asyncio.create_task(run_choice(mesh, c, parsed, tenant, sink), name=c.request_id)
@@ -163,21 +177,23 @@ def _observe(route: str, usage: Usage, latency: float, ttft: float | None,
 
 async def completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    parsed = parse_completion(await read_body(request, cfg.max_body_bytes), cfg.model_names,
-                              cfg.vocab_size, cfg.max_tokens_limit)
+    parsed = parse_completion(await read_body(request, cfg.max_body_bytes),
+                              cfg.context_lengths, cfg.vocab_size, cfg.max_tokens_limit)
     return await _generate(request, parsed)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
-    parsed = parse_chat(await read_body(request, cfg.max_body_bytes), cfg.model_names, cfg.max_tokens_limit)
+    parsed = parse_chat(await read_body(request, cfg.max_body_bytes), cfg.context_lengths,
+                        cfg.max_tokens_limit)
     return await _generate(request, parsed)
 
 
 async def score_route(request: web.Request) -> web.Response:
     """Prefill-only scoring: probabilities of a few single-token continuations."""
     cfg = request.app[CONFIG]
-    parsed = parse_score(await read_body(request, cfg.max_body_bytes), cfg.model_names, cfg.vocab_size)
+    parsed = parse_score(await read_body(request, cfg.max_body_bytes), cfg.model_names,
+                         cfg.vocab_size)
     rid = "score-" + uuid.uuid4().hex
     bind_request(rid)
     tenant = request.get(TENANT, "")

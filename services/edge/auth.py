@@ -13,8 +13,8 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.services.edge.tenants import ApiKeys, bearer_key
+from prefixmesh.shared.openai.schema import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +51,18 @@ class KeyResolver:
             raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
         tenant = self.keys.keys.get(key)
         if tenant is None and self._redis is not None:
-            tenant = await self._from_redis(key)
+            tenant = await self._from_redis(self._redis, key)
         if not tenant:
             raise unauthorized("invalid API key")
         return tenant
 
-    async def _from_redis(self, key: str) -> str:
+    async def _from_redis(self, redis: aioredis.Redis, key: str) -> str:
         now = time.monotonic()
         hit = self._cache.get(key)
         if hit is not None and hit[0] > now:
             return hit[1]
         try:
-            raw = await self._redis.hget(self._redis_key, key)
+            raw = await redis.hget(self._redis_key, key)
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("API key lookup in Redis failed: %s", exc)
             raise ApiError(503, "API key store unavailable; retry shortly",

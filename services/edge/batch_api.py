@@ -113,7 +113,7 @@ async def create_batch(request: web.Request) -> web.Response:
     fid = body.get("input_file_id")
     store = _store(request)
     frec = await store.get_file(fid) if isinstance(fid, str) else None
-    if frec is None:
+    if frec is None or not isinstance(fid, str):  # not a string: no such file either
         raise ApiError(400, f"input file {fid!r} does not exist", param="input_file_id",
                        code="invalid_file")
     if frec.purpose != "batch":

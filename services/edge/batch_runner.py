@@ -2,7 +2,7 @@
 
 One ``BatchRunner`` per edge. A batch goes ``validating -> in_progress -> finalizing ->
 completed`` (or ``failed`` at validation, ``cancelling -> cancelled``). Its lines are
-tokenized, planned as a whole (``prefixmesh.services.edge.batch_plan``: enlarged first-level prefix groups,
+tokenized, planned as a whole (``batch_plan``: enlarged first-level prefix groups,
 ordered and placed on the live workers by estimated GPU work) and submitted group by group
 to their planned worker, tagged with the batch id so the worker's ``batch_groups`` policy
 runs them below interactive traffic. Each worker gets at most ``inflight_per_worker``
@@ -46,14 +46,19 @@ from prefixmesh.services.edge.batch_format import (
     output_line,
     parse_lines,
 )
+from prefixmesh.services.edge.batch_plan import plan_batch
 from prefixmesh.services.edge.batch_store import BatchStore
 from prefixmesh.services.edge.completion import complete, token_prompts
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.pipeline import MeshClient
-from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, parse_chat, parse_completion
 from prefixmesh.services.edge.workers import WorkerDirectory
-from prefixmesh.services.edge.batch_plan import plan_batch
 from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.openai.schema import (
+    ApiError,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
 from prefixmesh.shared.runtime.lifecycle import TaskSet
 from prefixmesh.shared.wire import BatchProgressEvent
 
@@ -341,8 +346,9 @@ class BatchRunner:
     def _parse(self, line: BatchLine) -> ParsedRequest:
         body = json.dumps(line.body).encode()
         if line.url == "/v1/chat/completions":
-            return parse_chat(body, self.cfg.model_names)
-        return parse_completion(body, self.cfg.model_names, self.cfg.vocab_size)
+            return parse_chat(body, self.cfg.context_lengths, self.cfg.max_tokens_limit)
+        return parse_completion(body, self.cfg.context_lengths, self.cfg.vocab_size,
+                                self.cfg.max_tokens_limit)
 
     async def _tokens(self, rid: str, p: ParsedRequest) -> list[list[int]]:
         return await token_prompts(self.mesh, rid, p)

@@ -14,11 +14,21 @@ import msgspec
 
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.pipeline import MeshClient, WorkerLost
-from prefixmesh.shared.openai.choices import Choice, check_context, fan_out, first_of_prompt
-from prefixmesh.shared.openai.responses import ChoiceResult, ResponseMeta, Usage, full_response
-from prefixmesh.shared.openai.schema import ApiError, ParsedRequest
 from prefixmesh.services.edge.stops import StopMatcher
-from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent
+from prefixmesh.shared.openai.choices import (
+    Choice,
+    check_context,
+    fan_out,
+    first_of_prompt,
+)
+from prefixmesh.shared.openai.responses import (
+    ChoiceResult,
+    ResponseMeta,
+    Usage,
+    full_response,
+)
+from prefixmesh.shared.openai.schema import ApiError, ParsedRequest
+from prefixmesh.shared.wire import GenerateChunkEvent, RequestDoneEvent
 
 
 async def token_prompts(mesh: MeshClient, rid: str, parsed: ParsedRequest) -> list[list[int]]:
@@ -50,14 +60,14 @@ async def run_choice(mesh: MeshClient, choice: Choice, parsed: ParsedRequest, te
                 result.take(event)
                 if stops.stopped:
                     await _put(sink, index, event)
-                    done = GenerateDoneEvent(
+                    done = RequestDoneEvent(
                         request_id=sub_id, worker_id=result.worker_id, finish_reason="stop",
                         prompt_tokens=len(tokens), completion_tokens=result.completion_tokens,
                         cached_tokens=event.cached_tokens)
                     result.finish_reason = "stop"
                     await _put(sink, index, done)
                     return result
-            elif isinstance(event, GenerateDoneEvent):
+            elif isinstance(event, RequestDoneEvent):
                 if tail := stops.flush():
                     result.text += tail
                     await _put(sink, index, GenerateChunkEvent(request_id=sub_id, token_ids=[],
@@ -95,7 +105,7 @@ async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid
     """Run a non-streaming request whose prompts are already token ids; returns the
     OpenAI response body and its usage (raises ApiError when a choice failed). Shared by
     the HTTP routes and the batch runner."""
-    check_context(prompts, parsed.sampling.max_tokens, cfg.max_model_len)
+    check_context(prompts, parsed.sampling.max_tokens, cfg.context_lengths[parsed.model])
     counted = first_of_prompt(len(prompts), parsed.n)
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     deadline = time.time() + mesh.timeouts.request_s

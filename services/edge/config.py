@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE
+from prefixmesh.shared.models import DEFAULT_MODEL, known_cards
 from prefixmesh.shared.runtime.config import CommonConfig, option
 
 
@@ -11,9 +14,11 @@ from prefixmesh.shared.runtime.config import CommonConfig, option
 class EdgeConfig(CommonConfig):
     host: str = option("127.0.0.1", "address the HTTP API listens on")
     port: int = option(8000, "port of the HTTP API (0 = any free port)")
-    models: str = option("smollm2-135m-instruct", "comma-separated model names served")
+    models: str = option(DEFAULT_MODEL, "comma-separated model names served (the workers' "
+                         "--model; shared/models.py)")
     vocab_size: int = option(49152, "token ids in prompts must be below this")
-    max_model_len: int = option(131072, "longest prompt + max_tokens accepted, in tokens")
+    max_model_len: int = option(0, "longest prompt + max_tokens accepted (tokens; 0 = each "
+                                "model's context length, shared/models.py)")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (413 above)")
     tokenize_timeout_s: float = option(10.0, "seconds to wait for the tokenizer")
     route_timeout_s: float = option(2.0, "seconds to wait for the scheduler")
@@ -23,7 +28,8 @@ class EdgeConfig(CommonConfig):
     worker_silence_s: float = option(1.0, "seconds without load reports after which a "
                                      "worker is presumed dead and its requests fail over "
                                      "(0 = never)")
-    max_tokens_limit: int = option(32768, "largest max_tokens accepted (400 above), tokens")
+    max_tokens_limit: int = option(0, "largest max_tokens accepted, below the context length "
+                                   "(400 above; 0 = no bound of the server's own)")
     max_inflight: int = option(1024, "requests in flight at this edge before new ones get "
                                "503 + Retry-After (the edge's bounded queue)")
     api_keys_file: str = option("", "TOML file of tenants, their API keys and limits "
@@ -35,7 +41,7 @@ class EdgeConfig(CommonConfig):
     batch: bool = option(True, "serve the Batch API (/v1/files, /v1/batches; needs JetStream)")
     batch_inflight_per_worker: int = option(32, "batch lines in flight per worker (requests)")
     batch_progress_interval_s: float = option(0.5, "seconds between batch progress saves")
-    batch_profile: str = option("mistral-7b-a6000", "cost-model profile the batch planner "
+    batch_profile: str = option(DEFAULT_PROFILE, "cost-model profile the batch planner "
                                 "balances workers with")
 
     @property
@@ -46,3 +52,18 @@ class EdgeConfig(CommonConfig):
     @property
     def model_names(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.models.split(",") if m.strip())
+
+    @cached_property
+    def context_lengths(self) -> dict[str, int]:
+        """Each served model's context length (tokens); SystemExit naming a model whose
+        length is unknown while ``max_model_len`` is 0."""
+        cards = known_cards()
+        out = {}
+        for name in self.model_names:
+            length = self.max_model_len or (cards[name].context_length if name in cards
+                                            else 0)
+            if length < 1:
+                raise SystemExit(f"the context length of model {name!r} is unknown: give "
+                                 "--max-model-len")
+            out[name] = length
+        return out

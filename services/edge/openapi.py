@@ -48,9 +48,12 @@ def _schemas(cfg: EdgeConfig) -> dict[str, Any]:
         token_ids,
         {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_CHOICES},
     ], "description": "text, texts, token ids, or lists of token ids (one choice set each)"}
+    max_tokens = max(cfg.context_lengths.values()) - 1  # a prompt has at least one token
+    if cfg.max_tokens_limit:
+        max_tokens = min(max_tokens, cfg.max_tokens_limit)
     common = {
         "model": {"type": "string", "enum": list(cfg.model_names)},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": cfg.max_tokens_limit,
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens,
                        "nullable": True},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1,
@@ -105,7 +108,7 @@ def _schemas(cfg: EdgeConfig) -> dict[str, Any]:
             "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1,
                          "description": "at least one message with text"},
             "max_completion_tokens": {"type": "integer", "minimum": 1,
-                                      "maximum": cfg.max_tokens_limit, "nullable": True},
+                                      "maximum": max_tokens, "nullable": True},
             "logprobs": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                              "nullable": True, "description": "needs logprobs: true"}}},

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
+from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     ROUTE_REPLY,
@@ -32,14 +32,14 @@ from prefixmesh.shared.wire import (
     AbortRequest,
     ChatMessage,
     GenerateChunkEvent,
-    GenerateDoneEvent,
-    GenerateRequest,
     LengthDistribution,
     PredictLengthRequest,
+    RequestDoneEvent,
     ResumeRequest,
-    RouteRequest,
     SamplingParams,
     StreamEvent,
+    TokenizedRequest,
+    TokenizeReply,
     TokenizeRequest,
 )
 
@@ -143,6 +143,8 @@ class MeshClient:
         if reply.error is not None:
             status = 400 if reply.error.code == "bad_request" else 500
             raise ApiError(status, reply.error.message, param="messages" if messages else "prompt")
+        if not isinstance(reply, TokenizeReply):  # the subject's union: a detokenize answer
+            raise ApiError(500, f"tokenizer answered with a {type(reply).__name__}")
         if not reply.token_ids:
             raise ApiError(400, "prompt tokenizes to nothing", param="prompt")
         return reply.token_ids
@@ -168,7 +170,7 @@ class MeshClient:
             return 0.0, None
         return reply.predicted_tokens, reply.distribution
 
-    async def _route(self, req: RouteRequest) -> str:
+    async def _route(self, req: TokenizedRequest) -> str:
         """Ask the scheduler; while none answers, retry with backoff up to route_retry_s."""
         deadline = time.monotonic() + self.timeouts.route_retry_s
         backoff = ROUTE_BACKOFF_S
@@ -187,7 +189,7 @@ class MeshClient:
             raise unavailable("workers", RuntimeError(msg))
         return reply.worker_id
 
-    async def _submit(self, worker_id: str, req: GenerateRequest) -> str | None:
+    async def _submit(self, worker_id: str, req: TokenizedRequest) -> str | None:
         """Hand the request to a worker; returns None on success, else why it failed."""
         try:
             ack = await self.bus.request(self.bus.subjects.worker_submit(worker_id), req,
@@ -225,23 +227,23 @@ class MeshClient:
                     self._judging_since())
         return time.monotonic() - heard > self.timeouts.worker_silence_s
 
-    async def _place(self, gen: GenerateRequest, route: RouteRequest, placed: str) -> str:
+    async def _place(self, req: TokenizedRequest, placed: str) -> str:
         """Route (or use ``placed``) and submit; a refusing worker is excluded and the
         request routed again, up to ``attempts`` times. Returns the accepting worker."""
         for _attempt in range(self.timeouts.attempts):
-            worker_id = placed or await self._route(route)
+            worker_id = placed or await self._route(req)
             placed = ""
-            failure = await self._submit(worker_id, gen)
+            failure = await self._submit(worker_id, req)
             if failure is None:
                 return worker_id
-            log.warning("worker %s did not take %s: %s", worker_id, gen.request_id, failure)
-            route.exclude.append(worker_id)
-        raise unavailable("workers", RuntimeError(f"{len(route.exclude)} workers refused"))
+            log.warning("worker %s did not take %s: %s", worker_id, req.request_id, failure)
+            req.exclude.append(worker_id)
+        raise unavailable("workers", RuntimeError(f"{len(req.exclude)} workers refused"))
 
     async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams,
                        tenant: str, batch_id: str = "", worker_id: str = "",
                        exclude: tuple[str, ...] = (), deadline: float = 0.0
-                       ) -> AsyncIterator[GenerateChunkEvent | GenerateDoneEvent]:
+                       ) -> AsyncGenerator[GenerateChunkEvent | RequestDoneEvent, None]:
         """Run one request on the mesh, yielding its chunks and then its done event.
 
         ``batch_id`` tags an offline batch request (the worker's ``batch_groups`` policy runs
@@ -261,23 +263,19 @@ class MeshClient:
         yielded = False
         for _placement in range(self.timeouts.attempts):
             wire_id = f"{request_id}-f{len(lost)}" if lost else request_id
-            gen = GenerateRequest(
-                request_id=wire_id, token_ids=token_ids,
-                sampling=sampling,
+            req = TokenizedRequest(
+                request_id=wire_id, token_ids=token_ids, sampling=sampling,
+                block_hashes=hashes,
                 reply_to=self.bus.subjects.stream_reply(self.edge_id, wire_id),
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
                 created=time.time(), deadline=deadline, predicted_distribution=distribution,
-            )
-            route = RouteRequest(
-                request_id=wire_id, block_hashes=hashes, prompt_tokens=len(token_ids),
-                max_tokens=sampling.max_tokens, tenant=tenant, predicted_output=predicted,
                 exclude=list(lost),
             )
             queue = self.streams.open(wire_id)
             worker_id = ""
             finished = False
             try:
-                worker_id = await self._place(gen, route, placed)
+                worker_id = await self._place(req, placed)
                 placed = ""
                 submitted_at = time.monotonic()
                 # Output tokens received so far; this edge's reconnect count when the
@@ -327,7 +325,7 @@ class MeshClient:
                         next_index = event.index + len(event.token_ids)
                     yielded = True
                     yield event
-                    if isinstance(event, GenerateDoneEvent):
+                    if isinstance(event, RequestDoneEvent):
                         finished = True
                         return
             finally:

@@ -99,7 +99,7 @@ async def score(mesh: MeshClient, cfg: EdgeConfig, req: ScoreRequest, rid: str,
     parsed = ParsedRequest(kind="completion", model=req.model, prompts=req.prompts,
                            sampling=sampling)
     prompts = await token_prompts(mesh, rid, parsed)
-    check_context(prompts, 1, cfg.max_model_len)
+    check_context(prompts, 1, cfg.context_lengths[req.model])
     tasks = [asyncio.create_task(run_choice(mesh, c, parsed, tenant, None), name=c.request_id)
              for c in fan_out(rid, prompts, 1)]
     try:

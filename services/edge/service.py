@@ -8,6 +8,7 @@ import uuid
 from contextlib import AsyncExitStack
 
 from aiohttp import web
+from nats.aio.subscription import Subscription
 
 from prefixmesh.services.edge.app import build_app
 from prefixmesh.services.edge.auth import KeyResolver
@@ -19,8 +20,8 @@ from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
 from prefixmesh.services.edge.tenants import ApiKeys
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.wire import BUS_EVENT, STREAM_EVENT
 from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.wire import BUS_EVENT, STREAM_EVENT
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,13 @@ class EdgeService:
     name = "edge"
 
     def __init__(self, cfg: EdgeConfig) -> None:
+        cfg.context_lengths  # noqa: B018 -- a model of unknown length stops the edge here
         self.cfg = cfg
         self.edge_id = cfg.edge_id or uuid.uuid4().hex[:12]
         self.port = cfg.port
         self.mesh: MeshClient | None = None
         self._site: web.TCPSite | None = None
-        self._inbox = None
+        self._inbox: Subscription | None = None
         self.batches: BatchRunner | None = None
         self.workers: WorkerDirectory | None = None
 
@@ -58,14 +60,14 @@ class EdgeService:
                                 request_s=self.cfg.request_timeout_s,
                                 worker_silence_s=self.cfg.worker_silence_s)
         # Load reports: which workers are alive (failover of their requests, batch planning).
-        self.workers = WorkerDirectory()
-        await bus.subscribe(bus.subjects.load_all, BUS_EVENT, self.workers.on_event)
-        self.mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict, self.workers)
+        self.workers = workers = WorkerDirectory()
+        await bus.subscribe(bus.subjects.load_all, BUS_EVENT, workers.on_event)
+        self.mesh = mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict, workers)
         self._inbox = await bus.subscribe(bus.subjects.stream_inbox(self.edge_id), STREAM_EVENT,
-                                          self.mesh.streams.on_event)
-        app = build_app(self.cfg, self.mesh, await self._key_resolver(stack))
+                                          mesh.streams.on_event)
+        app = build_app(self.cfg, mesh, await self._key_resolver(stack))
         if self.cfg.batch:
-            await self._start_batches(bus, stack, app)
+            await self._start_batches(bus, mesh, workers, stack, app)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -96,13 +98,14 @@ class EdgeService:
             stack.push_async_callback(redis.aclose)
         return KeyResolver(keys, cfg.auth, redis, f"{cfg.redis_prefix}:apikeys")
 
-    async def _start_batches(self, bus: Bus, stack: AsyncExitStack, app: web.Application) -> None:
+    async def _start_batches(self, bus: Bus, mesh: MeshClient, workers: WorkerDirectory,
+                             stack: AsyncExitStack, app: web.Application) -> None:
         """Durable store, live-worker directory and runner of the Batch API."""
         store = await BatchStore.open(bus.nc, self.cfg.subject_prefix)
-        self.batches = BatchRunner(store, self.mesh, self.cfg, self.workers)
+        self.batches = batches = BatchRunner(store, mesh, self.cfg, workers)
         # Unwinds before the bus closes: batch tasks stop while NATS is still there.
-        stack.push_async_callback(self.batches.aclose)
-        add_batch_routes(app, store, self.batches)
+        stack.push_async_callback(batches.aclose)
+        add_batch_routes(app, store, batches)
 
     async def stop_intake(self) -> None:
         if self.batches is not None:

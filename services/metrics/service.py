@@ -18,6 +18,12 @@ from prefixmesh.services.metrics.cluster import ClusterView
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.runtime.metrics import (
+    LATENCY_BUCKETS_S,
+    health_handler,
+    metrics_handler,
+)
+from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.wire import (
     BUS_EVENT,
     BatchProgressEvent,
@@ -25,8 +31,6 @@ from prefixmesh.shared.wire import (
     RequestDoneEvent,
     SchedulerStatsEvent,
 )
-from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, health_handler, metrics_handler
-from prefixmesh.shared.subjects import Subjects
 
 # The dashboard's files (dashboard.html, dashboard.js, dashboard.css).
 STATIC_DIR = Path(__file__).with_name("static")

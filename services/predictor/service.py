@@ -3,7 +3,7 @@
 Two sources: a trained artifact (``--model-dir``: MiniLM + head over TRAIL's length bins,
 ``serving.ModelPredictor``) for requests that carry their prompt's ``token_ids``, and the
 workload prior (``prior.LengthPrior``) for everything else, or for every request when no
-artifact is configured. Requests are answered in micro-batches (``prefixmesh.services.predictor.batching``): the
+artifact is configured. Requests are answered in micro-batches (``batching.py``): the
 concurrent ones share one encoder forward pass, which runs on the service's own
 one-thread executor so the event loop never blocks. torch is imported only when an
 artifact is configured.
@@ -16,15 +16,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Histogram
 
+from prefixmesh.services.predictor.batching import BatchServer
 from prefixmesh.services.predictor.prior import DEFAULT_TABLE, LengthPrior
 from prefixmesh.services.predictor.serving import check_token_ids
-from prefixmesh.services.predictor.batching import BatchServer
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import PREDICTOR_GROUP, Subjects
 from prefixmesh.shared.wire import (
     PREDICT_REQUEST,
     ErrorInfo,
@@ -32,8 +35,9 @@ from prefixmesh.shared.wire import (
     PredictLengthReply,
     PredictLengthRequest,
 )
-from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
-from prefixmesh.shared.subjects import PREDICTOR_GROUP, Subjects
+
+if TYPE_CHECKING:
+    from prefixmesh.services.predictor.serving import ModelPredictor
 
 REQUESTS = Counter("prefixmesh_predictor_requests_total", "predictions by outcome", ["outcome"])
 ERRORS = Counter("prefixmesh_predictor_errors_total", "requests answered with an error, by code",
@@ -74,7 +78,7 @@ class PredictorService:
     def __init__(self, cfg: PredictorConfig) -> None:
         self.cfg = cfg
         self.prior = LengthPrior.parse(cfg.length_prior)
-        self.model = None  # serving.ModelPredictor once loaded (cfg.model_dir)
+        self.model: ModelPredictor | None = None  # once loaded (cfg.model_dir)
         self.server: BatchServer | None = None
         self._executor: ThreadPoolExecutor | None = None
 
@@ -92,7 +96,9 @@ class PredictorService:
         await self.server.start(tasks)
 
     async def _load_model(self, stack: AsyncExitStack) -> None:
-        from prefixmesh.services.predictor.serving import ModelPredictor  # torch, only when asked for
+        from prefixmesh.services.predictor.serving import (
+            ModelPredictor,  # torch, only when asked for
+        )
 
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="predictor-model")
         stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)
@@ -106,30 +112,34 @@ class PredictorService:
         t0 = time.perf_counter()
         replies: list[PredictLengthReply | None] = [None] * len(reqs)
         to_model: list[int] = []
+        model = self.model
         for i, req in enumerate(reqs):
             why = self._invalid(req)
             if why is not None:
                 replies[i] = bad_request(req.request_id, why)
-            elif self.model is not None and req.token_ids:
+            elif model is not None and req.token_ids:
                 to_model.append(i)
             else:
                 replies[i] = self.prior.predict(req)
-        if to_model:
+        if model is not None and to_model:
             preds = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.model.predict_distributions,
+                self._executor, model.predict_distributions,
                 [reqs[i].token_ids for i in to_model])
-            edges = self.model.edges
+            edges = model.edges
             for i, (n, probs) in zip(to_model, preds, strict=True):
                 replies[i] = PredictLengthReply(
                     request_id=reqs[i].request_id, predicted_tokens=max(n, 1.0),
                     distribution=LengthDistribution(edges=edges, probs=probs))
         LATENCY.observe(time.perf_counter() - t0)
         BATCH.observe(len(reqs))
+        answered: list[PredictLengthReply] = []
         for reply in replies:
+            assert reply is not None, "each request got an error, a model or a prior answer"
             REQUESTS.labels("error" if reply.error else "ok").inc()
             if reply.error:
                 ERRORS.labels(reply.error.code).inc()
-        return replies
+            answered.append(reply)
+        return answered
 
     def _invalid(self, req: PredictLengthRequest) -> str | None:
         """Why a request cannot be answered (None when it can)."""

@@ -90,8 +90,8 @@ class ModelPredictor:
     """
 
     def __init__(self, folder: str | Path, threads: int = 1, tokenizer_path: str = "") -> None:
-        from prefixmesh.shared.trail.artifact import PredictorArtifact
         from prefixmesh.services.predictor.encoder import PromptEncoder
+        from prefixmesh.shared.trail.artifact import PredictorArtifact
 
         self.artifact: Any = PredictorArtifact.load(Path(folder))
         self.mode = str(self.artifact.train_config.get("encoder", "full"))
@@ -121,13 +121,15 @@ class ModelPredictor:
     def predict_distributions(self, prompts: Sequence[Sequence[int]]
                               ) -> list[tuple[float, list[float]]]:
         """Each prompt's expected output tokens and its distribution over the bins."""
+        import numpy as np
+
         from prefixmesh.shared.trail.artifact import predict_proba
         from prefixmesh.shared.trail.lengths import expected_length
 
         if not prompts:
             return []
         probs = predict_proba(self.artifact.head, self.encoder.encode(self.texts(prompts)))
-        lengths = expected_length(probs, self.artifact.bins)
+        lengths = np.asarray(expected_length(probs, self.artifact.bins))  # rows in: rows out
         return [(float(n), [float(x) for x in p]) for n, p in zip(lengths, probs, strict=True)]
 
     @property

@@ -20,7 +20,7 @@ def parse(argv: list[str] | None = None) -> tuple[SchedulerConfig, PolicyConfig]
         prog="python -m prefixmesh.services.scheduler",
         description="Global E2 scheduler: routes requests to workers by prefix cache and load.")
     add_arguments(parser, SchedulerConfig)
-    add_arguments(parser.add_argument_group("policy knobs (prefixmesh.services.scheduler.policies.base."
+    add_arguments(parser.add_argument_group("policy knobs (services/scheduler/policies/base.py "
                                             "PolicyConfig)"), PolicyConfig)
     args = parser.parse_args(argv)
     return from_sources(SchedulerConfig, args), from_sources(PolicyConfig, args)

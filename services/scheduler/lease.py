@@ -56,7 +56,9 @@ class Lease:
         except (RedisError, OSError) as exc:
             log.debug("lease acquire: redis unavailable (%s)", exc)
             return LeaseState.UNKNOWN
-        if current is not None and current.decode() == self.holder:
+        # Bytes from our clients (no decode_responses); a decoding client gives str.
+        held_by = current.decode() if isinstance(current, bytes) else current
+        if held_by == self.holder:
             return LeaseState.HELD
         return LeaseState.LOST
 

@@ -47,6 +47,11 @@ from collections.abc import Iterable, Iterator
 import msgspec
 
 from prefixmesh.shared.blocks import BLOCK_SIZE
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+# KV events about these media concern the GPU prefix cache (vLLM marks blocks offloaded
+# to CPU memory with another medium).
+GPU_MEDIA = frozenset({None, "GPU", "gpu", "cuda"})
 
 SNAPSHOT_VERSION = 1
 # Budgets by default: about 2.5x the KV cache of 16 A6000 workers (16 x 198,516 tokens),
@@ -325,19 +330,11 @@ class PrefixTree:
         """Cut ``node`` after ``k`` blocks; a new node takes the upper part (returned)."""
         parent = node.parent
         assert parent is not None and node.alive and 0 < k < len(node.hashes)
-        # The upper part goes to the end of its workers' LRU orders (below), with fresh
-        # stamps to match, so a restored order equals the live one.
-        stamp = self._stamp
-        workers = {}
-        for w in node.workers:
-            workers[w] = stamp
-            stamp += 1
-        self._stamp = stamp
         upper = Node(
             node.hashes[:k],
             node.start,
             parent,
-            workers=workers,
+            workers=dict.fromkeys(node.workers, 0),  # stamps set below
             counts=dict(node.counts),
             last_access=node.last_access,
             nid=self._next_nid,
@@ -352,9 +349,24 @@ class PrefixTree:
         upper.children[node.hashes[0]] = node
         parent.children[upper.hashes[0]] = upper
         self._index_q.append(upper)  # its hashes still point at ``node`` until the flush
-        # Appended last: an ancestor must sit after its descendants in every LRU order.
+        # The upper part goes to the end of its workers' LRU orders, and so do the
+        # ancestors each of them holds, nearest first: an ancestor must sit after its
+        # descendants in every LRU order (evicting it first would orphan them). Fresh
+        # stamps to match, so a restored order equals the live one.
+        stamp = self._stamp
         for w in upper.workers:
-            self._wlru[w][upper] = None
+            lru = self._wlru[w]
+            held: Node | None = upper
+            while held is not None and held is not self.root:
+                if w in held.workers:
+                    lru[held] = None
+                    lru.move_to_end(held)
+                    held.workers[w] = stamp
+                    stamp += 1
+                    if self._dirty is not None:
+                        self._dirty[held] = None
+                held = held.parent
+        self._stamp = stamp
         self.n_nodes += 1
         return upper
 
@@ -515,6 +527,20 @@ class PrefixTree:
             stack.extend(n.children.values())
         self.worker_blocks[worker] -= freed
         return freed
+
+    def apply_events(self, worker: str, events: Iterable[KvEvent], now: float) -> None:
+        """A worker's KV events, in order: BlockStored adds the worker to the blocks'
+        caching sets, BlockRemoved and AllBlocksCleared take it out. Events about blocks
+        outside GPU memory (vLLM's offload tiers) are not the prefix cache routing sees."""
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                if ev.medium in GPU_MEDIA:
+                    self.store(worker, ev.parent_block_hash, ev.block_hashes, now)
+            elif isinstance(ev, BlockRemoved):
+                if ev.medium in GPU_MEDIA:
+                    self.remove_blocks(worker, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear_worker(worker)
 
     def clear_worker(self, worker: str, forget: bool = False) -> None:
         """AllBlocksCleared (or ``forget``: the worker left): it caches nothing any more."""
@@ -776,7 +802,7 @@ class PrefixTree:
             by_id[r.nid] = n
             self.n_nodes += 1
             self.n_blocks += len(n.hashes)
-            for w, st in r.workers.items():
+            for st in r.workers.values():
                 top_stamp = max(top_stamp, st)
         self._next_nid = top_nid
         self._stamp = top_stamp + 1

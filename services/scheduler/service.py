@@ -15,17 +15,29 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Gauge, Histogram
 
 from prefixmesh.services.scheduler.lease import Lease, LeaseState
+from prefixmesh.services.scheduler.policies import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    make_policy,
+)
+from prefixmesh.services.scheduler.policies.base import (
+    GlobalPolicy,
+    NoWorkerError,
+    PolicyConfig,
+    RouteInput,
+)
 from prefixmesh.services.scheduler.stats import build_stats
 from prefixmesh.services.scheduler.store import StateStore
-from prefixmesh.services.scheduler.policies import make_policy
-from prefixmesh.services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import SCHEDULER_GROUP, Subjects
 from prefixmesh.shared.wire import (
     BUS_EVENT,
     ROUTE_REQUEST,
@@ -35,13 +47,13 @@ from prefixmesh.shared.wire import (
     RequestDoneEvent,
     ResyncRequest,
     RouteReply,
-    RouteRequest,
+    TokenizedRequest,
 )
-from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
-from prefixmesh.shared.subjects import SCHEDULER_GROUP, Subjects
 
 log = logging.getLogger(__name__)
 
+# Seconds drain() waits for the lease loop to finish its Redis call and stop.
+LEASE_STOP_TIMEOUT_S = 5.0
 DECISIONS = Counter("prefixmesh_scheduler_decisions_total", "routing decisions by kind", ["kind"])
 DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
                              "time to choose a worker", buckets=LATENCY_BUCKETS_S)
@@ -69,8 +81,7 @@ E2_DECISION_KINDS = ("exploit", "explore", "affinity", "pd_balance", "rebalance"
 
 @dataclass(frozen=True)
 class SchedulerConfig(CommonConfig):
-    policy: str = option("e2", "global policy: e2, round_robin, least_load, prefix_hash, "
-                         "cache_aware, kv_cost, weighted")
+    policy: str = option(DEFAULT_POLICY, "global policy: " + ", ".join(POLICY_NAMES))
     profile: str = option(DEFAULT_PROFILE, "cost-model profile used for load estimates")
     load_interval_s: float = option(0.25, "workers' load report period (seconds)")
     missed_reports: int = option(3, "a worker silent for this many periods leaves routing")
@@ -102,21 +113,23 @@ class SchedulerService:
         self.policy: GlobalPolicy = self._fresh_policy()
         self.instance_id = uuid.uuid4().hex[:12]
         self.active = False
-        self.lease: Lease | None = None
+        self._lease: Lease | None = None
         # The lease loop; drain() stops it first, so that a stopping instance never takes
         # back the lease it is about to release (nor, as standby, one it would not serve).
         self._lease_task: asyncio.Task | None = None
+        self._lease_stop = asyncio.Event()
         self.last_seen: dict[str, float] = {}
         # Per worker: last KV batch sequence number, a sequence number a load report named
         # that we had not seen yet, and when we last asked it for a resync (monotonic s).
         self.kv_seq: dict[str, int] = {}
         self._kv_behind: dict[str, int] = {}
         self._resync_at: dict[str, float] = {}
-        self.bus: Bus | None = None
-        self.redis: aioredis.Redis | None = None
-        self.store: StateStore | None = None
-        self._subs: list = []
-        self._load_sub = None
+        # Set by start(), before any handler or loop runs: see the accessors below.
+        self._bus: Bus | None = None
+        self._redis: aioredis.Redis | None = None
+        self._store: StateStore | None = None
+        self._subs: list[Subscription] = []
+        self._load_sub: Subscription | None = None
         # Decisions by kind since start, and KV-event lag over the current stats period.
         self.decisions: dict[str, int] = {}
         self._lag_sum = 0.0
@@ -132,6 +145,29 @@ class SchedulerService:
     def _fresh_policy(self) -> GlobalPolicy:
         return make_policy(self.cfg.policy, self.policy_cfg, self.cost)
 
+    # What start() sets up (Redis, lease, state store, NATS): handlers and loops run after.
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None, "scheduler used before start()"
+        return self._bus
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        assert self._redis is not None, "scheduler used before start()"
+        return self._redis
+
+    @property
+    def store(self) -> StateStore:
+        """The persisted policy state; a fresh one each time this instance activates."""
+        assert self._store is not None, "scheduler used before start()"
+        return self._store
+
+    @property
+    def lease(self) -> Lease:
+        assert self._lease is not None, "scheduler used before start()"
+        return self._lease
+
     @property
     def lease_key(self) -> str:
         return f"{self.cfg.redis_prefix}:sched:lease"
@@ -143,10 +179,10 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _route(self, req: RouteRequest) -> RouteReply:
+    async def _route(self, req: TokenizedRequest) -> RouteReply:
         t0 = time.perf_counter()
         inp = RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
-                         prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens,
+                         prompt_tokens=len(req.token_ids), max_tokens=req.sampling.max_tokens,
                          tenant=req.tenant, predicted_output=req.predicted_output,
                          exclude=frozenset(req.exclude))
         try:
@@ -258,16 +294,14 @@ class SchedulerService:
 
     def _observe_policy(self) -> None:
         """Gauges of the policy's state, and replica changes since the last look."""
-        tree = getattr(self.policy, "tree", None)
-        if tree is not None:
-            TREE_NODES.set(len(tree))
-            TREE_TOKENS.set(tree.tokens)
-        rep = getattr(self.policy, "replicator", None)
-        if rep is not None:
-            added, dropped = self._replicas_seen  # reset with each fresh policy
-            REPLICAS.labels("added").inc(max(rep.grown - added, 0))
-            REPLICAS.labels("dropped").inc(max(rep.shrunk - dropped, 0))
-            self._replicas_seen = (rep.grown, rep.shrunk)
+        summary = self.policy.summary()
+        if summary.tree is not None:
+            TREE_NODES.set(len(summary.tree))
+            TREE_TOKENS.set(summary.tree.tokens)
+        added, dropped = self._replicas_seen  # reset with each fresh policy
+        REPLICAS.labels("added").inc(max(summary.replicas_added - added, 0))
+        REPLICAS.labels("dropped").inc(max(summary.replicas_dropped - dropped, 0))
+        self._replicas_seen = (summary.replicas_added, summary.replicas_dropped)
 
     async def _stats_loop(self) -> None:
         """Publish the summary the metrics service shows (decision mix, hot prefixes)."""
@@ -314,7 +348,7 @@ class SchedulerService:
             now = time.monotonic()
             self.last_seen = {w: now for w in self.policy.workers}
             log.info("restored scheduler state from redis (%d workers, %d tree nodes)",
-                     len(self.last_seen), len(getattr(self.policy, "tree", ())))
+                     len(self.last_seen), len(self.policy.summary().tree or ()))
 
     async def _activate(self) -> None:
         """Become the routing instance: load state, then subscribe."""
@@ -322,9 +356,9 @@ class SchedulerService:
         self.policy = self._fresh_policy()
         self.last_seen, self.kv_seq, self._kv_behind, self._resync_at = {}, {}, {}, {}
         self._replicas_seen = (0, 0)
-        self.store = StateStore(self.redis, self.state_key, clock=self.policy_now)
+        self._store = StateStore(self.redis, self.state_key, clock=self.policy_now)
         await self._restore()
-        self.policy.track_changes()
+        self.policy.state.track_changes()
         for subject in (bus.subjects.load_all, bus.subjects.kv_all, bus.subjects.done):
             self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
         self._load_sub = self._subs[0]
@@ -345,23 +379,28 @@ class SchedulerService:
     async def _lease_loop(self) -> None:
         """Hold the lease while active; as standby, take it over when it lapses."""
         period = self.cfg.lease_ttl_s / 3
-        while True:
+        # Stopped by a flag, not by cancelling: a cancel that lands inside a redis-py call
+        # can be swallowed there, and the loop would go on renewing after drain().
+        while not self._lease_stop.is_set():
             if self.active:
                 if await self.lease.renew() is LeaseState.LOST:
                     await self._deactivate()
             elif await self.lease.try_acquire() is LeaseState.HELD:
                 await self._activate()
-            await asyncio.sleep(period)
+            try:
+                await asyncio.wait_for(self._lease_stop.wait(), period)
+            except TimeoutError:
+                pass
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
-        self.redis = aioredis.from_url(self.cfg.redis_url, socket_timeout=1.0,
-                                       socket_connect_timeout=1.0)
-        stack.push_async_callback(self.redis.aclose)
-        self.lease = Lease(self.redis, self.lease_key, self.instance_id, self.cfg.lease_ttl_s)
-        self.store = StateStore(self.redis, self.state_key, clock=self.policy_now)
-        self.bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
+        self._redis = redis = aioredis.from_url(self.cfg.redis_url, socket_timeout=1.0,
+                                                socket_connect_timeout=1.0)
+        stack.push_async_callback(redis.aclose)
+        self._lease = Lease(redis, self.lease_key, self.instance_id, self.cfg.lease_ttl_s)
+        self._store = StateStore(redis, self.state_key, clock=self.policy_now)
+        self._bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
                                            "scheduler")
         stack.push_async_callback(bus.close)
         await serve_metrics(stack, self.cfg.metrics_port)
@@ -396,8 +435,13 @@ class SchedulerService:
 
     async def drain(self) -> None:
         if self._lease_task is not None:
-            self._lease_task.cancel()
-            await asyncio.gather(self._lease_task, return_exceptions=True)
+            self._lease_stop.set()
+            # One Redis call at most is in flight (socket timeouts bound it); a cancel only
+            # if that still does not end it.
+            done, _ = await asyncio.wait({self._lease_task}, timeout=LEASE_STOP_TIMEOUT_S)
+            if not done:
+                self._lease_task.cancel()
+                await asyncio.gather(self._lease_task, return_exceptions=True)
         if not self.active:
             return
         try:

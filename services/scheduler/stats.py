@@ -13,8 +13,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from prefixmesh.shared.wire import HotPrefix, SchedulerStatsEvent
+from prefixmesh.services.scheduler.policies.base import GlobalPolicy
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
+from prefixmesh.shared.wire import HotPrefix, SchedulerStatsEvent
 
 # Hot prefixes in one summary.
 HOT_PREFIXES_SHOWN = 10
@@ -54,19 +55,16 @@ def hot_prefixes(tree: PrefixTree, k: int = HOT_PREFIXES_SHOWN,
             for total, _end, _id, node in ranked]
 
 
-def build_stats(scheduler_id: str, policy: object, decisions: Mapping[str, int], ts: float,
-                kv_lag_s: float, kv_gaps: int) -> SchedulerStatsEvent:
+def build_stats(scheduler_id: str, policy: GlobalPolicy, decisions: Mapping[str, int],
+                ts: float, kv_lag_s: float, kv_gaps: int) -> SchedulerStatsEvent:
     """A ``SchedulerStatsEvent`` for any policy (tree fields only when it has a tree)."""
-    tree = getattr(policy, "tree", None)
-    replicator = getattr(policy, "replicator", None)
-    workers = getattr(policy, "workers", ())
+    summary = policy.summary()
+    tree = summary.tree
     return SchedulerStatsEvent(
-        scheduler_id=scheduler_id, ts=ts, policy=getattr(policy, "name", type(policy).__name__),
-        decisions=dict(decisions),
-        tree_nodes=len(tree) if isinstance(tree, PrefixTree) else 0,
-        tree_tokens=tree.tokens if isinstance(tree, PrefixTree) else 0,
-        workers=len(workers),
-        hot_prefixes=hot_prefixes(tree) if isinstance(tree, PrefixTree) else [],
-        kv_lag_s=kv_lag_s, kv_gaps=kv_gaps,
-        replicas_added=getattr(replicator, "grown", 0),
-        replicas_dropped=getattr(replicator, "shrunk", 0))
+        scheduler_id=scheduler_id, ts=ts, policy=policy.name, decisions=dict(decisions),
+        tree_nodes=len(tree) if tree is not None else 0,
+        tree_tokens=tree.tokens if tree is not None else 0,
+        workers=len(policy.workers),
+        hot_prefixes=hot_prefixes(tree) if tree is not None else [],
+        kv_lag_s=kv_lag_s, kv_gaps=kv_gaps, replicas_added=summary.replicas_added,
+        replicas_dropped=summary.replicas_dropped)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.typing import FieldT
 
 from prefixmesh.services.scheduler.policies.base import GlobalPolicy
 
@@ -103,7 +104,7 @@ class StateStore:
         ordered = [segs[k] for k in sorted(segs, key=int)]
         self._next_seg = (int(max(segs, key=int)) + 1) if segs else 0
         now = self.clock()
-        policy.load_persisted(meta, nodes, ordered, now - self.wall(), now)
+        policy.state.load_persisted(meta, nodes, ordered, now - self.wall(), now)
         self._full = True  # the loaders may have dropped records: write a clean copy
         return True
 
@@ -127,11 +128,11 @@ class StateStore:
         if full:
             # Fails fast while Redis is down, before any encoding work.
             await c.unlink(self.nodes_key, self.log_key, self.logidx_key)
-            policy.track_changes()  # changes from now on go to the next flush
-            changes = policy.all_state()
+            policy.state.track_changes()  # changes from now on go to the next flush
+            changes = policy.state.all_state()
             self._full = False
         else:
-            changes = policy.take_changes()
+            changes = policy.state.take_changes()
         lim = self.limits
         offset = self.offset
         pipe = c.pipeline(transaction=False)
@@ -146,10 +147,10 @@ class StateStore:
             queued = 0
 
         # Tree nodes, a slice at a time.
-        batch: dict[int, bytes] = {}
+        batch: dict[FieldT, bytes] = {}  # node id -> record (FieldT: what hset takes)
         blocks = 0
         for node in changes.nodes:
-            rec = policy.encode_node(node, offset)
+            rec = policy.state.encode_node(node, offset)
             if rec is not None:
                 batch[node.nid] = rec
                 blocks += len(node.hashes)
@@ -173,11 +174,11 @@ class StateStore:
         # Window log: one segment per slice.
         items = changes.log
         for i in range(0, len(items), lim.slice_log):
-            blob, newest = policy.encode_log(items[i : i + lim.slice_log], offset)
+            blob, newest = policy.state.encode_log(items[i : i + lim.slice_log], offset)
             seg = self._next_seg
             self._next_seg += 1
             pipe.hset(self.log_key, seg, blob)
-            pipe.zadd(self.logidx_key, {seg: newest})
+            pipe.zadd(self.logidx_key, {str(seg): newest})  # the member redis stores for an int
             queued += len(blob)
             stats.segments += 1
             stats.slices += 1
@@ -187,7 +188,7 @@ class StateStore:
         await send()
         # Expire segments older than the window, then the meta record (last: a complete
         # flush is one whose meta is there).
-        window = policy.log_window_s
+        window = policy.state.log_window_s
         if window > 0:
             cut = self.clock() + self.offset - window
             old = await c.zrangebyscore(self.logidx_key, "-inf", f"({cut}")
@@ -195,7 +196,7 @@ class StateStore:
                 pipe.hdel(self.log_key, *old)
                 pipe.zrem(self.logidx_key, *old)
                 stats.expired = len(old)
-        meta = policy.encode_meta(offset)
+        meta = policy.state.encode_meta(offset)
         pipe.set(self.meta_key, meta)
         queued += len(meta)
         await send()

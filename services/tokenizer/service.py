@@ -11,21 +11,22 @@ import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Histogram
 
 from prefixmesh.services.tokenizer.logic import handle
-from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.runtime.config import CommonConfig, option
-from prefixmesh.shared.wire import (
-    TOKENIZER_REQUEST,
-    DetokenizeRequest,
-    ErrorInfo,
-    TokenizeReply,
-    TokenizeRequest,
-)
 from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import TOKENIZER_GROUP, Subjects
+from prefixmesh.shared.text.tokenizer import TextTokenizer
+from prefixmesh.shared.wire import (
+    TOKENIZER_REQUEST,
+    ErrorInfo,
+    TokenizeReply,
+    TokenizerReply,
+    TokenizerRequest,
+)
 
 REQUESTS = Counter("prefixmesh_tokenizer_requests_total", "tokenizer requests by outcome",
                    ["outcome"])
@@ -49,12 +50,14 @@ class TokenizerService:
     def __init__(self, cfg: TokenizerConfig) -> None:
         self.cfg = cfg
         self.tok: TextTokenizer | None = None
-        self._sub = None
+        self._sub: Subscription | None = None
 
-    async def _handle(self, req: TokenizeRequest | DetokenizeRequest):
+    async def _handle(self, req: TokenizerRequest) -> TokenizerReply:
+        tok = self.tok
+        assert tok is not None, "requests are served only after start() loaded the tokenizer"
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        reply = await loop.run_in_executor(None, handle, self.tok, req)
+        reply = await loop.run_in_executor(None, handle, tok, req)
         LATENCY.observe(time.perf_counter() - t0)
         REQUESTS.labels("error" if reply.error else "ok").inc()
         if reply.error:

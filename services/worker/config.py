@@ -7,8 +7,9 @@ import socket
 from dataclasses import dataclass
 
 from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
-from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
+from prefixmesh.shared.models import ModelCard, card_for
+from prefixmesh.shared.runtime.config import CommonConfig, option
 
 
 @dataclass(frozen=True)
@@ -17,9 +18,11 @@ class WorkerConfig(CommonConfig):
     backend: str = option("sim", "engine backend: sim (simulated GPU), hf, vllm",
                           choices=("sim", "hf", "vllm"))
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPU")
-    local_policy: str = option(DEFAULT_LOCAL_POLICY, "local queue policy (docs/design.md section 6)",
+    local_policy: str = option(DEFAULT_LOCAL_POLICY, "local queue policy (docs/design.md "
+                               "section 6)",
                                choices=LOCAL_POLICIES)
-    model: str = option("smollm2-135m-instruct", "model served (name reported in load reports)")
+    model: str = option("", "model served (empty = the backend's own: <profile>-sim for sim, "
+                        "smollm2-135m-instruct for hf; vllm needs one)")
     tokenizer_path: str = option("", "tokenizer.json for detokenizing (empty = SmolLM2's)")
     load_interval_s: float = option(0.25, "period of load reports to the scheduler (seconds)")
     max_requests: int = option(4096, "queued + running requests before new ones are refused")
@@ -27,7 +30,8 @@ class WorkerConfig(CommonConfig):
     http_host: str = option("127.0.0.1", "address of the standalone HTTP API (with http_port)")
     http_port: int = option(0, "serve the OpenAI / SGLang / vLLM-compatible HTTP API on this "
                             "port beside the mesh subjects (0 = no HTTP)")
-    max_model_len: int = option(131072, "HTTP: longest prompt + max_tokens accepted (tokens)")
+    max_model_len: int = option(0, "longest prompt + max_tokens accepted (tokens; 0 = the "
+                                "served model's context length, shared/models.py)")
     probe_model: str = option("", "hf: predictor artifact folder whose probe refines each "
                               "request's remaining length in-process (TRAIL; read by "
                               "sprpt_limited); empty = no refinement")
@@ -37,6 +41,19 @@ class WorkerConfig(CommonConfig):
         "engine's own times stay in model seconds (engine/pacing.py)")
     default_output_mean: float = option(
         128.0, "sim: mean output tokens of a request with no length hint and no ignore_eos")
+
+    def served_model(self) -> ModelCard:
+        """Name and context length of what this worker serves."""
+        card = card_for(self.backend, self.profile, self.model)
+        name = self.model or (card.name if card is not None else "")
+        if not name:
+            raise SystemExit("--backend vllm needs --model")
+        length = self.max_model_len or (card.context_length if card is not None else 0)
+        if length < 1:
+            raise SystemExit(f"the context length of {name!r} is unknown here: give "
+                             "--max-model-len")
+        simulated = card is not None and card.simulated
+        return ModelCard(name, length, simulated)
 
     def resolved_worker_id(self) -> str:
         """The configured id, or one unique to this host and process."""

@@ -20,7 +20,7 @@ vllm-router 0.1.17):
   response (``text``, ``output_ids``, ``meta_info``); streaming sends cumulative text.
 - ``POST /tokenize``, ``/detokenize``: SGLang's and vLLM's shape.
 - ``POST /v1/completions/render``, ``/v1/chat/completions/render``: vLLM's renderer shape
-  (a list of token-in GenerateRequests; one for chat). vllm-router renders every request
+  (a list of token-in TokenizedRequests; one for chat). vllm-router renders every request
   on the workers before routing on the token ids.
 - ``POST /flush_cache``: SGLang's admin route; drops the prefix cache when idle (the
   comparison runner resets every engine between contenders).
@@ -32,12 +32,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.openai.choices import (
@@ -55,11 +56,26 @@ from prefixmesh.shared.openai.http import (
     read_body,
     send_sse,
 )
-from prefixmesh.shared.openai.responses import ChoiceResult, ResponseMeta, Usage, full_response
-from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, decode_body, parse_chat, \
-    parse_completion
-from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, GenerateRequest, \
-    SamplingParams
+from prefixmesh.shared.openai.responses import (
+    ChoiceResult,
+    ResponseMeta,
+    Usage,
+    full_response,
+)
+from prefixmesh.shared.openai.schema import (
+    ApiError,
+    ParsedRequest,
+    decode_body,
+    parse_chat,
+    parse_completion,
+)
+from prefixmesh.shared.wire import (
+    ErrorInfo,
+    GenerateChunkEvent,
+    RequestDoneEvent,
+    SamplingParams,
+    TokenizedRequest,
+)
 
 WORKER = web.AppKey("worker", WorkerService)
 # Largest request body accepted (bytes): a 128k-token prompt as JSON ints fits.
@@ -77,8 +93,9 @@ def _worker(request: web.Request) -> WorkerService:
     return request.app[WORKER]
 
 
-def _models(w: WorkerService) -> tuple[str, ...]:
-    return (w.cfg.model,)
+def _models(w: WorkerService) -> dict[str, int]:
+    """The served model's name -> its context length."""
+    return {w.model.name: w.model.context_length}
 
 
 def _vocab(w: WorkerService) -> int:
@@ -104,7 +121,7 @@ def _token_prompts(w: WorkerService, parsed: ParsedRequest) -> list[list[int]]:
 
 
 async def _run(w: WorkerService, jobs: list[Choice], sampling: SamplingParams
-               ) -> AsyncIterator[tuple[int, GenerateChunkEvent | GenerateDoneEvent]]:
+               ) -> AsyncGenerator[tuple[int, GenerateChunkEvent | RequestDoneEvent], None]:
     """Submit every job to the engine and yield (job index, event) until all are done.
 
     Leaving early (client disconnect, error) aborts what is still running."""
@@ -116,11 +133,11 @@ async def _run(w: WorkerService, jobs: list[Choice], sampling: SamplingParams
     submitted: list[str] = []
     try:
         for j in jobs:
-            reply = w.submit_local(GenerateRequest(
+            reply = w.submit_local(TokenizedRequest(
                 request_id=j.request_id, token_ids=j.token_ids, sampling=sampling,
                 reply_to="", created=time.time()), sink)
             if not reply.accepted:
-                err = reply.error
+                err = reply.error or ErrorInfo("refused", "unavailable", retriable=True)
                 status, kind = _REFUSALS.get(err.code, (503, "service_unavailable"))
                 raise ApiError(status, err.message, type=kind, code=err.code,
                                headers={"Retry-After": "1"} if status != 400 else None)
@@ -128,7 +145,7 @@ async def _run(w: WorkerService, jobs: list[Choice], sampling: SamplingParams
         pending = set(submitted)
         while pending:
             event = await sink.get()
-            if isinstance(event, GenerateDoneEvent):
+            if isinstance(event, RequestDoneEvent):
                 pending.discard(event.request_id)
             yield index[event.request_id], event
     finally:
@@ -147,7 +164,7 @@ async def _read(request: web.Request) -> bytes:
 async def _openai(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
     w = _worker(request)
     prompts = _token_prompts(w, parsed)
-    check_context(prompts, parsed.sampling.max_tokens, w.cfg.max_model_len)
+    check_context(prompts, parsed.sampling.max_tokens, w.model.context_length)
     rid = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex
     jobs = fan_out(rid, prompts, parsed.n)
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
@@ -223,15 +240,17 @@ def _sgl_prompts(w: WorkerService, b: _SglGenerate) -> tuple[list[list[int]], bo
                 raise ApiError(400, f"input_ids must be non-empty ids in [0, {vocab})",
                                param="input_ids")
         return prompts, batch
-    batch = isinstance(b.text, list)
-    texts = b.text if batch else [b.text]
+    text = b.text
+    assert text is not None  # exactly one of text and input_ids: checked above
+    batch = isinstance(text, list)
+    texts = text if isinstance(text, list) else [text]
     prompts = [_encode(w, t) for t in texts]
     if not prompts or any(not p for p in prompts):
         raise ApiError(400, "text must be non-empty", param="text")
     return prompts, batch
 
 
-def _sgl_finish(ev: GenerateDoneEvent) -> dict[str, Any]:
+def _sgl_finish(ev: RequestDoneEvent) -> dict[str, Any]:
     if ev.finish_reason == "length":
         return {"type": "length", "length": ev.completion_tokens}
     return {"type": ev.finish_reason}
@@ -246,18 +265,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "max_new_tokens must be at least 1", param="max_new_tokens")
     if batch and b.stream:
         raise ApiError(400, "streaming takes one prompt", param="stream")
-    check_context(prompts, sp.max_new_tokens, w.cfg.max_model_len)
+    check_context(prompts, sp.max_new_tokens, w.model.context_length)
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     sampling = SamplingParams(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
                               top_p=sp.top_p, ignore_eos=sp.ignore_eos, stop=stop)
     rid = b.rid or uuid.uuid4().hex
     jobs = fan_out(rid, prompts, 1)
-    out = [{"text": "", "output_ids": [], "meta_info": {
+    out: list[dict[str, Any]] = [{"text": "", "output_ids": [], "meta_info": {
         "id": j.request_id, "prompt_tokens": len(j.token_ids), "completion_tokens": 0,
         "cached_tokens": 0, "finish_reason": None}} for j in jobs]
     started = time.monotonic()
 
-    def apply(i: int, ev: GenerateChunkEvent | GenerateDoneEvent) -> None:
+    def apply(i: int, ev: GenerateChunkEvent | RequestDoneEvent) -> None:
         o, m = out[i], out[i]["meta_info"]
         if isinstance(ev, GenerateChunkEvent):
             o["text"] += ev.text
@@ -298,7 +317,7 @@ async def tokenize(request: web.Request) -> web.Response:
     w = _worker(request)
     b = decode_body(await _read(request), _TokenizeBody)
     if b.messages is not None:
-        body = msgspec.json.encode({"model": w.cfg.model, "messages": b.messages})
+        body = msgspec.json.encode({"model": w.model.name, "messages": b.messages})
         tokens = _token_prompts(w, parse_chat(body, _models(w)))[0]
     elif isinstance(b.prompt, str):
         tokens = _encode(w, b.prompt)
@@ -307,7 +326,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         raise ApiError(400, "prompt or messages is required", param="prompt")
     return web.json_response({"tokens": tokens, "count": len(tokens),
-                              "max_model_len": w.cfg.max_model_len, "token_strs": None})
+                              "max_model_len": w.model.context_length, "token_strs": None})
 
 
 class _DetokenizeBody(msgspec.Struct):
@@ -379,13 +398,14 @@ async def server_info(request: web.Request) -> web.Response:
     w = _worker(request)
     cost, eng = w.cost, w.engine
     return web.json_response({
-        "model_path": w.cfg.model, "served_model_name": w.cfg.model,
-        "tokenizer_path": w.cfg.tokenizer_path or w.cfg.model, "backend": w.cfg.backend,
+        "model_path": w.model.name, "served_model_name": w.model.name,
+        "tokenizer_path": w.cfg.tokenizer_path or w.model.name,
+        "simulated": w.model.simulated, "backend": w.cfg.backend,
         "profile": w.cfg.profile, "local_policy": w.cfg.local_policy,
         "worker_id": w.worker_id, "page_size": eng.block_size,
         "max_total_num_tokens": eng.num_blocks * eng.block_size,
         "chunked_prefill_size": cost.max_batched_tokens,
-        "max_running_requests": cost.max_num_seqs, "context_length": w.cfg.max_model_len,
+        "max_running_requests": cost.max_num_seqs, "context_length": w.model.context_length,
         "dp_size": 1, "tp_size": 1, "version": "prefixmesh",
         "internal_states": [_load(w)],
         # Not SGLang's: what the backend adds (the sim: its clock's time_scale and how
@@ -397,11 +417,11 @@ async def server_info(request: web.Request) -> web.Response:
 async def model_info(request: web.Request) -> web.Response:
     w = _worker(request)
     return web.json_response({
-        "model_path": w.cfg.model, "tokenizer_path": w.cfg.tokenizer_path or w.cfg.model,
+        "model_path": w.model.name, "tokenizer_path": w.cfg.tokenizer_path or w.model.name,
         "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
         "has_image_understanding": False, "has_audio_understanding": False,
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "max_model_len": w.cfg.max_model_len,
+        "max_model_len": w.model.context_length,
     })
 
 
@@ -409,7 +429,7 @@ async def models(request: web.Request) -> web.Response:
     w = _worker(request)
     return web.json_response({"object": "list", "data": [
         {"id": m, "object": "model", "created": 0, "owned_by": "prefixmesh",
-         "max_model_len": w.cfg.max_model_len} for m in _models(w)]})
+         "max_model_len": w.model.context_length} for m in _models(w)]})
 
 
 async def get_load(request: web.Request) -> web.Response:
@@ -434,6 +454,7 @@ def build_app(worker: WorkerService) -> web.Application:
     app = web.Application(middlewares=[errors_middleware()], client_max_size=MAX_BODY_BYTES)
     app[WORKER] = worker
     r = app.router
+    handler: Handler
     for path, handler in (("/health", health), ("/health_generate", health),
                           ("/server_info", server_info), ("/get_server_info", server_info),
                           ("/model_info", model_info), ("/get_model_info", model_info),

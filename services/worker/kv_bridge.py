@@ -1,4 +1,5 @@
-"""The KV-event bridge: vLLM's ZMQ publisher in, prefixmesh KV events out (docs/design.md section 4).
+"""The KV-event bridge: vLLM's ZMQ publisher in, prefixmesh KV events out
+(docs/design.md section 4).
 
 One task per vLLM worker: a SUB socket on vLLM's publisher endpoint, each message decoded and
 translated (``engine.vllm_events``) and handed to ``publish``, which the worker service

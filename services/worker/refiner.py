@@ -10,7 +10,7 @@ and passes the expected remaining tokens to the local policy through
 ``HfEngine.update_prediction``; ``sprpt_limited`` re-ranks on it.
 
 The Smoother's first prior, as in TRAIL, is the prompt encoder's bin distribution: the
-predictor's reply carries it and the edge passes it on (``GenerateRequest.
+predictor's reply carries it and the edge passes it on (``TokenizedRequest.
 predicted_distribution``). When it is absent (prior-only predictor) or over other bins than
 the probe's, the seed puts ``SEED_CONFIDENCE`` of the mass on the bin of the scalar
 ``predicted_output`` and spreads the rest evenly; a request without any prediction starts
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixmesh.shared.trail.lengths import LengthBins, Smoother, probe_input, softmax
 from prefixmesh.services.worker.engine.types import EngineRequest, RequestStatus
+from prefixmesh.shared.trail.lengths import LengthBins, Smoother, probe_input, softmax
 from prefixmesh.shared.wire import LengthDistribution
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import time
 from bisect import bisect_right
 from collections import OrderedDict
 
-from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
+from prefixmesh.shared.wire import GenerateChunkEvent, RequestDoneEvent, TokenLogprob
 
 # Finished requests' journals are kept this long (seconds) for a late resume...
 FINISHED_TTL_S = 30.0
@@ -37,10 +37,10 @@ class StreamJournal:
         # Per chunk: (index of its first token, its text).
         self.chunks: list[tuple[int, str]] = []
         self.cached_tokens = 0
-        self.done: GenerateDoneEvent | None = None
+        self.done: RequestDoneEvent | None = None
 
-    def record(self, event: GenerateChunkEvent | GenerateDoneEvent) -> None:
-        if isinstance(event, GenerateDoneEvent):
+    def record(self, event: GenerateChunkEvent | RequestDoneEvent) -> None:
+        if isinstance(event, RequestDoneEvent):
             self.done = event
             return
         self.chunks.append((event.index, event.text))
@@ -49,11 +49,11 @@ class StreamJournal:
         self.cached_tokens = event.cached_tokens
 
     def replay(self, request_id: str, from_index: int
-               ) -> list[GenerateChunkEvent | GenerateDoneEvent]:
+               ) -> list[GenerateChunkEvent | RequestDoneEvent]:
         """Events that bring a stream that holds output tokens ``[0, from_index)`` up to
         date. The edge only ever holds whole chunks, so ``from_index`` is a chunk boundary;
         anything else is served from the boundary before it (the edge drops the overlap)."""
-        events: list[GenerateChunkEvent | GenerateDoneEvent] = []
+        events: list[GenerateChunkEvent | RequestDoneEvent] = []
         start = bisect_right(self.chunks, from_index, key=lambda chunk: chunk[0]) - 1
         if start >= 0 and from_index < len(self.tokens):
             index = self.chunks[start][0]

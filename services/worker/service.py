@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Histogram
 
 from prefixmesh.services.worker.config import WorkerConfig
@@ -33,26 +34,27 @@ from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput
 from prefixmesh.services.worker.local import make_local_policy
 from prefixmesh.services.worker.replay import FinishedJournals, StreamJournal
 from prefixmesh.services.worker.reports import done_record, load_report
+from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.runtime.lifecycle import TaskSet
+from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 from prefixmesh.shared.wire import (
     WORKER_REQUEST,
     AbortRequest,
     BlockRemoved,
     ErrorInfo,
     GenerateChunkEvent,
-    GenerateDoneEvent,
-    GenerateRequest,
     KvEventBatch,
+    RequestDoneEvent,
     ResumeRequest,
     ResyncRequest,
     SubmitReply,
+    TokenizedRequest,
     TokenLogprob,
 )
-from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
-from prefixmesh.shared.subjects import Subjects
-from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +92,13 @@ class _Live:
     # An in-process caller (the HTTP front, services/worker/http.py) gets the request's
     # chunk and done events on this queue instead of on ``reply_to``.
     sink: asyncio.Queue | None = None
-    # GenerateRequest.deadline: unix seconds after which the request is dropped (0 = none).
+    # TokenizedRequest.deadline: unix seconds after which the request is dropped (0 = none).
     deadline: float = 0.0
     # What the stream carried over NATS, for a ResumeRequest (replay.py); None with a sink.
     journal: StreamJournal | None = None
 
 
-def sample_key(req: GenerateRequest) -> str:
+def sample_key(req: TokenizedRequest) -> str:
     """Key of a request's deterministic sim output: greedy and seeded requests repeat
     themselves on the same prompt (as a real engine would); others vary by request id."""
     s = req.sampling
@@ -129,18 +131,20 @@ class WorkerService:
         self.front = front
         self.worker_id = cfg.resolved_worker_id()
         self.cost = CostModel.load(cfg.profile)
-        self.engine: Engine | None = None
-        self.bus: Bus | None = None
+        # Name and context length of the served model (shared/models.py).
+        self.model = cfg.served_model()
+        self._engine: Engine | None = None  # opened by start(): see ``engine``
+        self.bus: Bus | None = None  # None without the mesh (HTTP-only worker)
         self.live: dict[str, _Live] = {}
         self.kv_seq = 0
-        self._subs: list = []
+        self._subs: list[Subscription] = []
         self._accepting = True
         # Streams of requests that ended lately, for a late ResumeRequest (replay.py).
         self.finished = FinishedJournals()
 
     # ------------------------------------------------------------------ intake
 
-    def _output_len(self, req: GenerateRequest) -> int:
+    def _output_len(self, req: TokenizedRequest) -> int:
         s = req.sampling
         if s.ignore_eos:
             return s.max_tokens
@@ -148,9 +152,9 @@ class WorkerService:
             return min(s.output_len_hint, s.max_tokens)
         return sample_output_len(sample_key(req), self.cfg.default_output_mean, s.max_tokens)
 
-    async def _on_request(self, msg: GenerateRequest | AbortRequest | ResyncRequest
+    async def _on_request(self, msg: TokenizedRequest | AbortRequest | ResyncRequest
                           | ResumeRequest) -> SubmitReply:
-        if isinstance(msg, GenerateRequest):
+        if isinstance(msg, TokenizedRequest):
             return self._submit(msg)
         if isinstance(msg, ResumeRequest):
             return await self._resume(msg)
@@ -160,15 +164,27 @@ class WorkerService:
             await self._resync()
         return SubmitReply(request_id=getattr(msg, "request_id", ""), worker_id=self.worker_id)
 
-    def submit_local(self, req: GenerateRequest, sink: asyncio.Queue) -> SubmitReply:
+    def submit_local(self, req: TokenizedRequest, sink: asyncio.Queue) -> SubmitReply:
         """Queue a request from an in-process caller; its GenerateChunkEvent and
-        GenerateDoneEvent messages are put on ``sink`` (``req.reply_to`` is unused)."""
+        RequestDoneEvent messages are put on ``sink`` (``req.reply_to`` is unused)."""
         return self._submit(req, sink)
+
+    @property
+    def engine(self) -> Engine:
+        """The backend's engine, opened by start() before any request can reach us."""
+        assert self._engine is not None, "worker used before start()"
+        return self._engine
+
+    def _mesh(self) -> Bus:
+        """The NATS connection, on paths that only mesh traffic reaches (requests that
+        came over the bus, their replays); a worker without the mesh never takes them."""
+        assert self.bus is not None, "mesh path taken by a worker without the mesh"
+        return self.bus
 
     @property
     def tok(self) -> TextTokenizer | None:
         """The served model's tokenizer (None: the engine takes token ids only)."""
-        return self.engine.tokenizer if self.engine is not None else None
+        return self._engine.tokenizer if self._engine is not None else None
 
     def reset_cache(self) -> bool:
         """Drop the engine's prefix cache (False while requests run, as vLLM and SGLang
@@ -181,7 +197,7 @@ class WorkerService:
         """False once shutdown has begun."""
         return self._accepting
 
-    def _submit(self, req: GenerateRequest, sink: asyncio.Queue | None = None) -> SubmitReply:
+    def _submit(self, req: TokenizedRequest, sink: asyncio.Queue | None = None) -> SubmitReply:
         def refuse(why: str, code: str) -> SubmitReply:
             REFUSED.labels(self.worker_id, code).inc()
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
@@ -201,6 +217,10 @@ class WorkerService:
                 max_tokens=req.sampling.max_tokens, output_len=self._output_len(req),
                 tenant=req.tenant, predicted_output=req.predicted_output, batch_id=req.batch_id,
                 sample_key=sample_key(req), predicted_distribution=req.predicted_distribution,
+                # The edge's hashes, when they are over the engine's blocks (a copy: the
+                # engine extends the chain over generated tokens).
+                block_hashes=list(req.block_hashes)
+                if self.engine.block_size == BLOCK_SIZE else [],
             )
             self.engine.add(ereq, self.engine.now(), req.sampling)
         except ValueError as exc:
@@ -233,7 +253,7 @@ class WorkerService:
             self.engine.abort(rid, self.engine.now())
             FINISHED.labels(self.worker_id, "deadline").inc()
             try:
-                await self._deliver(live, GenerateDoneEvent(
+                await self._deliver(live, RequestDoneEvent(
                     request_id=rid, worker_id=self.worker_id, finish_reason="error",
                     error=ErrorInfo("request deadline exceeded", "timeout", retriable=True)))
             except Exception as exc:  # best effort: NATS may be down
@@ -257,15 +277,15 @@ class WorkerService:
         await self.bus.publish(self.bus.subjects.kv(self.worker_id), KvEventBatch(
             worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
 
-    async def _deliver(self, live: _Live, event: GenerateChunkEvent | GenerateDoneEvent) -> None:
+    async def _deliver(self, live: _Live, event: GenerateChunkEvent | RequestDoneEvent) -> None:
         if live.journal is not None:
             live.journal.record(event)
-            if isinstance(event, GenerateDoneEvent):
+            if isinstance(event, RequestDoneEvent):
                 self.finished.add(event.request_id, live.journal)
         if live.sink is not None:
             live.sink.put_nowait(event)
-        else:
-            await self.bus.publish(live.reply_to, event)
+        else:  # no sink: the request came over the bus
+            await self._mesh().publish(live.reply_to, event)
 
     async def _resume(self, msg: ResumeRequest) -> SubmitReply:
         """Resend a stream from ``msg.from_index`` on (replay.py); refused when unknown."""
@@ -276,8 +296,9 @@ class WorkerService:
                                accepted=False, error=ErrorInfo(
                                    f"worker {self.worker_id} does not know request "
                                    f"{msg.request_id}", "not_found", retriable=True))
+        bus = self._mesh()
         for event in journal.replay(msg.request_id, msg.from_index):
-            await self.bus.publish(journal.reply_to, event)
+            await bus.publish(journal.reply_to, event)
         RESUMES.labels(self.worker_id).inc()
         return SubmitReply(request_id=msg.request_id, worker_id=self.worker_id)
 
@@ -301,38 +322,34 @@ class WorkerService:
         if not out.finished:
             return
         del self.live[out.request_id]
-        record = done_record(self.worker_id, out.request, out.finish_reason or "length",
-                             live.tenant)
-        done = GenerateDoneEvent(
-            request_id=record.request_id, worker_id=self.worker_id,
-            finish_reason=record.finish_reason, prompt_tokens=record.prompt_tokens,
-            completion_tokens=record.completion_tokens, cached_tokens=record.cached_tokens,
-            queue_s=record.queue_s, ttft_s=record.ttft_s, latency_s=record.latency_s)
+        # One message, two readers: the request's caller and the scheduler and metrics.
+        done = done_record(self.worker_id, out.request, out.finish_reason or "length",
+                           live.tenant)
         await self._deliver(live, done)
         if self.bus is not None:
-            await self.bus.publish(self.bus.subjects.done, record)
+            await self.bus.publish(self.bus.subjects.done, done)
         FINISHED.labels(self.worker_id, done.finish_reason).inc()
-        LATENCY.labels(self.worker_id).observe(record.latency_s)
-        QUEUE_TIME.labels(self.worker_id).observe(record.queue_s)
+        LATENCY.labels(self.worker_id).observe(done.latency_s)
+        QUEUE_TIME.labels(self.worker_id).observe(done.queue_s)
 
     def _on_step(self, seconds: float) -> None:
         STEPS.labels(self.worker_id).inc()
         STEP_TIME.labels(self.worker_id).observe(seconds)
 
-    async def _load_loop(self) -> None:
+    async def _load_loop(self, bus: Bus) -> None:
         while True:
             await self._expire(time.time())
             report = load_report(self.worker_id, self.engine.stats(self.engine.now()),
-                                 time.time(), self.cfg.backend, self.cfg.model, self.kv_seq)
-            await self.bus.publish(self.bus.subjects.load(self.worker_id), report)
+                                 time.time(), self.cfg.backend, self.model.name, self.kv_seq)
+            await bus.publish(bus.subjects.load(self.worker_id), report)
             await asyncio.sleep(self.cfg.load_interval_s)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
         policy = make_local_policy(self.cfg.local_policy)
-        self.engine = await self._backend.open_engine(self.cfg, self.cost, policy)
-        stack.callback(self.engine.close)  # after the engine task is cancelled (LIFO)
+        self._engine = engine = await self._backend.open_engine(self.cfg, self.cost, policy)
+        stack.callback(engine.close)  # after the engine task is cancelled (LIFO)
         if self.cfg.mesh:  # before the tasks, so the bus closes after they are cancelled
             self.bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
                                          f"worker-{self.worker_id}")
@@ -340,18 +357,17 @@ class WorkerService:
         await serve_metrics(stack, self.cfg.metrics_port)
         tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
         if self.bus is not None:
-            await self._serve_bus(tasks)
+            await self._serve_bus(self.bus, tasks)
         tasks.spawn(self.engine.run(self._emit, self._publish_kv, self._on_step),
                      f"worker-{self.worker_id}-engine")
         if self.front is not None:
             await self.front(stack, self)
         log.info("worker %s ready (%s, %s, %s, %d KV blocks)", self.worker_id, self.cfg.backend,
-                 self.cfg.model if self.cfg.backend == "vllm" else self.cfg.profile,
+                 self.model.name,
                  self.cfg.local_policy, self.engine.num_blocks)
 
-    async def _serve_bus(self, tasks: TaskSet) -> None:
+    async def _serve_bus(self, bus: Bus, tasks: TaskSet) -> None:
         """Serve this worker's subjects on the mesh and publish its load reports."""
-        bus = self.bus
         s = bus.subjects
         for subject in (s.worker_submit(self.worker_id), s.worker_abort(self.worker_id),
                         s.worker_resync(self.worker_id)):
@@ -359,7 +375,7 @@ class WorkerService:
                 subject, WORKER_REQUEST, self._on_request,
                 lambda why: SubmitReply(request_id="", worker_id=self.worker_id, accepted=False,
                                         error=ErrorInfo(why, "bad_request"))))
-        tasks.spawn(self._load_loop(), f"worker-{self.worker_id}-load")
+        tasks.spawn(self._load_loop(bus), f"worker-{self.worker_id}-load")
 
     async def stop_intake(self) -> None:
         self._accepting = False

@@ -24,10 +24,10 @@ from prefixmesh.shared.openai.responses import (
     usage_chunk,
 )
 from prefixmesh.shared.openai.schema import ApiError, ParsedRequest
-from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent
+from prefixmesh.shared.wire import GenerateChunkEvent, RequestDoneEvent
 
 # What a choice's stream carries: its events, or the error that ended it.
-ChoiceEvent = GenerateChunkEvent | GenerateDoneEvent | ApiError
+ChoiceEvent = GenerateChunkEvent | RequestDoneEvent | ApiError
 
 
 @dataclass(slots=True)

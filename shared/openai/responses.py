@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
+from prefixmesh.shared.wire import GenerateChunkEvent, RequestDoneEvent, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -28,7 +28,7 @@ class ChoiceResult:
         """An empty result; ``logprobs``: collect the tokens' log-probabilities."""
         return cls(index=index, prompt_tokens=prompt_tokens, logprobs=[] if logprobs else None)
 
-    def take(self, event: GenerateChunkEvent | GenerateDoneEvent) -> None:
+    def take(self, event: GenerateChunkEvent | RequestDoneEvent) -> None:
         """Fold one event of the choice's stream into the result."""
         if isinstance(event, GenerateChunkEvent):
             self.text += event.text

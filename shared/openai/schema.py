@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,6 @@ MAX_CHOICES = 64
 # and chat ``top_logprobs`` (OpenAI: 20).
 MAX_LOGPROBS = 20
 MAX_ALLOWED_TOKENS = 256
-# Largest max_tokens accepted when the caller sets no limit of its own (tokens).
-MAX_TOKENS_LIMIT = 131072
 
 
 class ApiError(Exception):
@@ -121,15 +120,21 @@ def decode_body(body: bytes, typ: type) -> Any:
         raise ApiError(400, f"malformed JSON: {exc}") from None
 
 
-def _sampling(b: _Common, max_tokens: int | None, max_tokens_limit: int,
+def _sampling(b: _Common, max_tokens: int | None, context_length: int, cap: int,
               logprobs: int | None) -> SamplingParams:
+    # The prompt takes at least one token of the context.
+    limit = context_length - 1
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens_limit)
+        max_tokens = min(DEFAULT_MAX_TOKENS, limit, cap or limit)
     if max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens > max_tokens_limit:
-        raise ApiError(400, f"max_tokens must be at most {max_tokens_limit}, got {max_tokens}",
-                       param="max_tokens")
+    if cap and max_tokens > cap:
+        raise ApiError(400, f"max_tokens must be at most {cap} on this server, got "
+                       f"{max_tokens}", param="max_tokens")
+    if max_tokens > limit:
+        raise ApiError(400, f"max_tokens is {max_tokens}, but this model's maximum context "
+                       f"length is {context_length} tokens (prompt included), so at most "
+                       f"{limit}", param="max_tokens", code="context_length_exceeded")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be between 0 and {MAX_LOGPROBS}", param="logprobs")
     temperature = 1.0 if b.temperature is None else b.temperature
@@ -153,7 +158,7 @@ def _sampling(b: _Common, max_tokens: int | None, max_tokens_limit: int,
                           seed=b.seed, stop=stop, ignore_eos=b.ignore_eos, logprobs=logprobs)
 
 
-def _check_common(b: _Common, models: tuple[str, ...]) -> None:
+def _check_common(b: _Common, models: Mapping[str, int]) -> None:
     if not b.model:
         raise ApiError(400, "model must be a non-empty string", param="model")
     if b.model not in models:
@@ -219,16 +224,17 @@ def check_choices(n: int, prompts: int) -> None:
                        param="n")
 
 
-def parse_completion(body: bytes, models: tuple[str, ...], vocab_size: int,
-                     max_tokens_limit: int = MAX_TOKENS_LIMIT) -> ParsedRequest:
-    """Validate a ``/v1/completions`` body."""
+def parse_completion(body: bytes, models: Mapping[str, int], vocab_size: int,
+                     max_tokens_cap: int = 0) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body; ``models``: served name -> context length;
+    ``max_tokens_cap``: the server's own bound on ``max_tokens`` (0 = none)."""
     b = decode_body(body, _CompletionBody)
     _check_common(b, models)
     if b.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     prompts = parse_prompts(b.prompt, vocab_size)
     check_choices(b.n, len(prompts))
-    sampling = _sampling(b, b.max_tokens, max_tokens_limit, b.logprobs)
+    sampling = _sampling(b, b.max_tokens, models[b.model], max_tokens_cap, b.logprobs)
     sampling.allowed_token_ids = allowed_tokens(b.allowed_token_ids, vocab_size)
     return ParsedRequest(
         kind="completion", model=b.model, prompts=prompts, n=b.n,
@@ -256,9 +262,9 @@ def _content_text(content: Any, index: int) -> str:
                    param=f"messages[{index}].content")
 
 
-def parse_chat(body: bytes, models: tuple[str, ...],
-               max_tokens_limit: int = MAX_TOKENS_LIMIT) -> ParsedRequest:
-    """Validate a ``/v1/chat/completions`` body."""
+def parse_chat(body: bytes, models: Mapping[str, int], max_tokens_cap: int = 0
+               ) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body (arguments as ``parse_completion``)."""
     b = decode_body(body, _ChatBody)
     _check_common(b, models)
     if not b.messages:
@@ -284,5 +290,6 @@ def parse_chat(body: bytes, models: tuple[str, ...],
     return ParsedRequest(
         kind="chat", model=b.model, messages=messages, n=b.n, stream=b.stream,
         include_usage=bool(b.stream_options and b.stream_options.include_usage),
-        sampling=_sampling(b, max_tokens, max_tokens_limit, logprobs), user=b.user or "",
+        sampling=_sampling(b, max_tokens, models[b.model], max_tokens_cap, logprobs),
+        user=b.user or "",
     )

@@ -11,12 +11,16 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ENV_PREFIX = "PM_"
 
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
@@ -60,14 +64,22 @@ def _parse_bool(text: str) -> bool:
 def _convert(tp: type, raw: str) -> Any:
     if tp is bool:
         return _parse_bool(raw)
-    if tp in (int, float, str):
+    if tp in (int, float, str, Path):
         return tp(raw)
     raise TypeError(f"unsupported config type {tp}")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per field of config dataclass ``cls``."""
+def _converter(tp: type) -> Callable[[str], Any]:
+    """argparse's ``type=`` for a field of type ``tp``."""
+    return lambda raw: _convert(tp, raw)
+
+
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """Add one ``--flag`` per field of config dataclass ``cls`` (not for fields declared
+    with ``cli=False``: those are set by code only)."""
     for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
         tp = _field_type(cls, f)
         flag = "--" + f.name.replace("_", "-")
         env = ENV_PREFIX + f.name.upper()
@@ -76,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=lambda s, tp=tp: _convert(tp, s),
+            parser.add_argument(flag, dest=f.name, type=_converter(tp),
                                 default=None, metavar=f.name.upper(), help=help_text,
                                 choices=f.metadata.get("choices"))
 
@@ -87,6 +99,8 @@ def from_sources(cls: type[T], args: argparse.Namespace | None = None,
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
         tp = _field_type(cls, f)
         key = ENV_PREFIX + f.name.upper()
         if key in env:

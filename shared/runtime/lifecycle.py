@@ -114,10 +114,13 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
 
 def main(make_service: Callable[[], Service], drain_timeout_s: float) -> None:
     """Process entry point: uvloop, signals, run until stopped."""
+    run: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
     try:
         import uvloop
+
+        run = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a core dependency
-        uvloop = None
+        pass
 
     async def _amain() -> None:
         stop = asyncio.Event()
@@ -125,9 +128,6 @@ def main(make_service: Callable[[], Service], drain_timeout_s: float) -> None:
         await run_service(make_service(), stop, drain_timeout_s)
 
     try:
-        if uvloop is not None:
-            uvloop.run(_amain())
-        else:
-            asyncio.run(_amain())
+        run(_amain())
     except KeyboardInterrupt:
         sys.exit(130)

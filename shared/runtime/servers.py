@@ -86,16 +86,17 @@ class ManagedProcess:
     proc: subprocess.Popen | None = field(default=None, init=False)
 
     def start(self) -> ManagedProcess:
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None
         try:
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.argv, stdout=log if log is not None else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.env, start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
         finally:
-            if self.log_path:
-                out.close()
+            if log is not None:
+                log.close()
         return self
 
     @property
@@ -106,8 +107,13 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """Its exit code once it has exited (None while it runs, or before start)."""
+        return self.proc.returncode if self.proc is not None else None
+
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             self.proc.send_signal(sig)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
@@ -131,7 +137,7 @@ def wait_port(host: str, port: int, proc: ManagedProcess, timeout: float = READY
         if port_open(host, port):
             return
         if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode} before listening")
+            raise RuntimeError(f"{proc.name} exited with {proc.returncode} before listening")
         time.sleep(0.05)
     raise TimeoutError(f"{proc.name} did not listen on {host}:{port} within {timeout}s")
 

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +154,15 @@ def read_gguf_vocab(gguf_path: Path | str) -> GgufVocab:
     )
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """One "left right" merge rule as BPE takes it."""
+    # Byte-level tokens never contain a literal space (it is "Ġ"), so one split is exact.
+    left, sep, right = merge.partition(" ")
+    if not sep:
+        raise GgufTokenizerError(f"malformed BPE merge {merge!r}")
+    return left, right
+
+
 def tokenizer_from_vocab(vocab: GgufVocab) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` equivalent to the HF tokenizer.json the GGUF was made from."""
     if vocab.model != "gpt2":
@@ -160,8 +176,7 @@ def tokenizer_from_vocab(vocab: GgufVocab) -> Tokenizer:
         raise GgufTokenizerError("token_type and tokens arrays differ in length")
 
     ids = {tok: i for i, tok in enumerate(vocab.tokens)}
-    # Byte-level tokens never contain a literal space (it is "Ġ"), so one split is exact.
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    merges = [_merge_pair(m) for m in vocab.merges]
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
     tok = Tokenizer(models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=False))
 

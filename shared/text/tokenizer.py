@@ -18,7 +18,11 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from prefixmesh.shared.text.gguf_vocab import CONFIG_FILE, TOKENIZER_FILE, ensure_default_tokenizer
+from prefixmesh.shared.text.gguf_vocab import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    ensure_default_tokenizer,
+)
 from prefixmesh.shared.wire import ChatMessage
 
 log = logging.getLogger(__name__)

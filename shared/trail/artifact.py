@@ -15,7 +15,7 @@ and ``head.safetensors`` / ``probe.safetensors``. Written by ``prefixmesh predic
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,10 @@ class PredictorArtifact:
     hidden_dim: int  # serving model's hidden size (probe input)
     layer: int  # serving-model layer the probe reads (hidden_states index)
     tokens_per_update: float  # decode tokens between two probe readings
-    train_config: dict = field(default_factory=dict)
-    scores: dict = field(default_factory=dict)
-    head: nn.Module | None = None
-    probe: nn.Module | None = None
+    train_config: dict
+    scores: dict
+    head: nn.Module
+    probe: nn.Module
     # Whether the probe also reads the decode step (``probe_input``): an extension of
     # TRAIL, whose probe reads the hidden state alone.
     step_features: bool = False
@@ -100,6 +100,10 @@ class PredictorArtifact:
 
 class Standardise(nn.Module):
     """``(x - mean) / std`` with the training set's statistics (saved as buffers)."""
+
+    # Buffers: declared for the type checker (nn.Module types unknown attributes loosely).
+    mean: torch.Tensor
+    std: torch.Tensor
 
     def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         super().__init__()

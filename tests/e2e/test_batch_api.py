@@ -15,12 +15,12 @@ from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
 from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.wire import BUS_EVENT, RequestDoneEvent
-from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
+from prefixmesh.shared.wire import BUS_EVENT, LoadReportEvent, RequestDoneEvent
+from tests.helpers import eventually, mesh_options
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
-MODEL = "smollm2-135m-instruct"
 DOCS = [" ".join(f"Document {d}, paragraph {i}: batches that share a document are planned "
                  f"as one prefix group." for i in range(25)) for d in range(4)]
 
@@ -44,29 +44,56 @@ def batch_jsonl(n_per_doc: int, max_tokens: int, chat: bool = False) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
 
 
-def mesh_options(prefix: str, nats: str, redis: str, logs: Path) -> MeshOptions:
-    return MeshOptions(workers=2, policy="e2", local_policy="batch_groups", port=0,
-                       metrics_port=0, nats_url=nats, redis_url=redis, subject_prefix=prefix,
-                       log_dir=logs, log_level="WARNING",
-                       extra_env={"PM_BATCH_INFLIGHT_PER_WORKER": "6"})
+# The mesh of every test here: batch lines planned in prefix groups on the workers.
+BATCH_MESH = {"local_policy": "batch_groups",
+              "extra_env": {"PM_BATCH_INFLIGHT_PER_WORKER": "6"}}
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def mesh_config() -> dict:
+    return BATCH_MESH
 
 
 class DoneCounter:
-    """Counts the workers' completion records per request id (runs of each line)."""
+    """Counts the workers' completion records per request id (runs of each line), and keeps
+    their load reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
         self.runs: Counter[str] = Counter()
+        self.loads: list[LoadReportEvent] = []
 
     async def on_event(self, ev: object) -> None:
         if isinstance(ev, RequestDoneEvent) and ev.request_id.startswith("batch_"):
             self.runs[ev.request_id] += 1
+        elif isinstance(ev, LoadReportEvent):
+            self.loads.append(ev)
+
+    async def settled(self) -> None:
+        """Wait until every worker has reported itself idle twice since this call: a run it
+        had going has ended, and its completion record (published before the later report,
+        on the same connection) has been counted."""
+        mark = len(self.loads)
+
+        def idle_twice() -> bool:
+            idle = Counter(r.worker_id for r in self.loads[mark:] if r.running + r.waiting == 0)
+            return len(idle) == WORKERS and min(idle.values()) >= 2
+
+        await eventually(idle_twice, timeout=30)
+
+    async def flushed(self) -> None:
+        """Wait until the server has handed this client everything published before now
+        (a round trip to it: what stopped services sent is all counted then)."""
+        await self.bus.nc.flush(timeout=10)
 
 
-async def watch_done(nats: str, prefix: str) -> tuple[Bus, DoneCounter]:
-    bus = await Bus.connect(nats, Subjects(prefix), "test-done")
-    counter = DoneCounter()
+async def watch_done(connect_bus, prefix: str) -> DoneCounter:
+    bus = await connect_bus(prefix, "test-done")
+    counter = DoneCounter(bus)
     await bus.subscribe(bus.subjects.done, BUS_EVENT, counter.on_event)
-    return bus, counter
+    await bus.subscribe(bus.subjects.load_all, BUS_EVENT, counter.on_event)
+    return counter
 
 
 async def wait_for(client: AsyncOpenAI, bid: str, pred, timeout: float = 120.0):
@@ -86,19 +113,12 @@ async def results(client: AsyncOpenAI, file_id: str | None) -> list[dict]:
     return [json.loads(line) for line in content.text.splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def mesh(nats_server: str, redis_server: str, tmp_path_factory: pytest.TempPathFactory):
-    with LocalMesh(mesh_options("e2ebatch", nats_server, redis_server,
-                                tmp_path_factory.mktemp("batch-logs"))) as m:
-        yield m
-
-
 def client_for(mesh: LocalMesh) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-async def test_batch_runs_every_line_once(mesh: LocalMesh, nats_server: str) -> None:
-    bus, done = await watch_done(nats_server, "e2ebatch")
+async def test_batch_runs_every_line_once(mesh: LocalMesh, connect_bus) -> None:
+    done = await watch_done(connect_bus, mesh.opts.subject_prefix)
     client = client_for(mesh)
     try:
         f = await client.files.create(file=("in.jsonl", batch_jsonl(6, 4)), purpose="batch")
@@ -123,7 +143,7 @@ async def test_batch_runs_every_line_once(mesh: LocalMesh, nats_server: str) -> 
         cached = sum(r["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
                      for r in rows)
         assert cached > 0.5 * prompt
-        await asyncio.sleep(0.3)
+        await done.settled()
         assert len(done.runs) == 24 and set(done.runs.values()) == {1}
         listed = await client.batches.list(limit=5)
         assert b.id in [x.id for x in listed.data]
@@ -138,7 +158,6 @@ async def test_batch_runs_every_line_once(mesh: LocalMesh, nats_server: str) -> 
                        "failed": 0}
         assert 'prefixmesh_batch_lines_total{outcome="completed"}' in edge_metrics
     finally:
-        await bus.close()
         await client.close()
 
 
@@ -203,34 +222,38 @@ async def test_cancel_stops_the_batch(mesh: LocalMesh) -> None:
 
 
 async def test_restart_of_every_service_mid_batch(nats_server: str, redis_server: str,
-                                                  prefix: str, tmp_path: Path) -> None:
-    bus, done = await watch_done(nats_server, prefix)
+                                                  prefix: str, tmp_path: Path,
+                                                  connect_bus) -> None:
+    done = await watch_done(connect_bus, prefix)
     total = 4 * 30
-    try:
-        with LocalMesh(mesh_options(prefix, nats_server, redis_server, tmp_path / "a")) as m:
-            client = client_for(m)
-            f = await client.files.create(file=("in.jsonl", batch_jsonl(30, 32)),
-                                          purpose="batch")
-            b = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
-                                            completion_window="24h")
-            await wait_for(client, b.id, lambda x: x.request_counts.completed >= 10)
-            await client.close()
-        # Every service stopped (edge first: it drained its in-flight lines).
-        before = sum(done.runs.values())
-        assert 10 <= before < total
-        with LocalMesh(mesh_options(prefix, nats_server, redis_server, tmp_path / "b")) as m:
-            client = client_for(m)
-            b = await client.batches.retrieve(b.id)  # resumed on start (may be done already)
-            assert b.status in ("in_progress", "finalizing", "completed")
-            assert b.request_counts.completed >= before
-            b = await wait_for(client, b.id, lambda x: x.status == "completed")
-            assert b.request_counts.completed == total and b.request_counts.failed == 0
-            rows = await results(client, b.output_file_id)
-            await client.close()
-        ids = [r["custom_id"] for r in rows]
-        assert len(ids) == total and len(set(ids)) == total
-        await asyncio.sleep(0.3)
-        # No line ran twice: one completion record per line, across both meshes.
-        assert len(done.runs) == total and set(done.runs.values()) == {1}
-    finally:
-        await bus.close()
+
+    def options(logs: Path) -> MeshOptions:
+        return mesh_options(nats_server, redis_server, logs, subject_prefix=prefix,
+                            **BATCH_MESH)
+
+    with LocalMesh(options(tmp_path / "a")) as m:
+        client = client_for(m)
+        f = await client.files.create(file=("in.jsonl", batch_jsonl(30, 32)),
+                                      purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                        completion_window="24h")
+        await wait_for(client, b.id, lambda x: x.request_counts.completed >= 10)
+        await client.close()
+    # Every service stopped (edge first: it drained its in-flight lines).
+    await done.flushed()
+    before = sum(done.runs.values())
+    assert 10 <= before < total
+    with LocalMesh(options(tmp_path / "b")) as m:
+        client = client_for(m)
+        b = await client.batches.retrieve(b.id)  # resumed on start (may be done already)
+        assert b.status in ("in_progress", "finalizing", "completed")
+        assert b.request_counts.completed >= before
+        b = await wait_for(client, b.id, lambda x: x.status == "completed")
+        assert b.request_counts.completed == total and b.request_counts.failed == 0
+        rows = await results(client, b.output_file_id)
+        await client.close()
+    ids = [r["custom_id"] for r in rows]
+    assert len(ids) == total and len(set(ids)) == total
+    await done.flushed()
+    # No line ran twice: one completion record per line, across both meshes.
+    assert len(done.runs) == total and set(done.runs.values()) == {1}

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 # Generated cases per operation; 3 POST operations plus the GETs give >= 2,000 requests.
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "550"))
@@ -41,14 +41,9 @@ def _counts(metrics_text: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def mesh(nats_server: str, redis_server: str, tmp_path_factory: pytest.TempPathFactory):
-    opts = MeshOptions(workers=2, policy="e2", port=0, metrics_port=0, nats_url=nats_server,
-                       redis_url=redis_server, subject_prefix="e2efuzz",
-                       log_dir=tmp_path_factory.mktemp("fuzz-logs"), log_level="ERROR",
-                       extra_env={"PM_MAX_TOKENS_LIMIT": str(MAX_TOKENS),
-                                  "PM_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S)})
-    with LocalMesh(opts) as m:
-        yield m
+def mesh_config() -> dict:
+    return {"log_level": "ERROR", "extra_env": {"PM_MAX_TOKENS_LIMIT": str(MAX_TOKENS),
+                                                "PM_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S)}}
 
 
 def test_schemathesis_finds_no_5xx_and_no_hang(mesh: LocalMesh, tmp_path: Path) -> None:

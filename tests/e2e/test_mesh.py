@@ -8,27 +8,19 @@ import urllib.request
 import pytest
 from openai import OpenAI
 
-from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh
+from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
-MODEL = "smollm2-135m-instruct"
 LONG_DOC = " ".join(f"Section {i}: the mesh routes prompts that share a prefix to the "
                     f"replica that already holds it." for i in range(120))
 
 
 @pytest.fixture(scope="module")
-def mesh(nats_server: str, redis_server: str, tmp_path_factory: pytest.TempPathFactory):
-    opts = MeshOptions(workers=2, policy="e2", port=0, metrics_port=0, nats_url=nats_server,
-                       redis_url=redis_server, subject_prefix="e2emesh",
-                       log_dir=tmp_path_factory.mktemp("mesh-logs"), log_level="WARNING")
-    with LocalMesh(opts) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def client(mesh: LocalMesh) -> OpenAI:
-    return OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def client(mesh: LocalMesh):
+    with OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
 
 
 def test_mesh_reused_the_session_servers(mesh: LocalMesh) -> None:
@@ -105,7 +97,8 @@ def test_bench_verb_against_the_mesh(mesh: LocalMesh, tmp_path) -> None:
     from prefixmesh.loadgen.bench import main as bench_main
 
     out = tmp_path / "bench.json"
-    assert bench_main(["--url", mesh.url, "--workload", "toolbench", "--prefixes", "2", "--rate", "8",
+    assert bench_main(["--url", mesh.url, "--workload", "toolbench", "--prefixes", "2",
+                       "--rate", "8",
                        "--duration", "2", "--no-progress", "--json", str(out)]) == 0
     row = json.loads(out.read_text())["runs"][0]
     assert row["requests"] == 16 and row["completed"] == 16 and row["failed"] == 0

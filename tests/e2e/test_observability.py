@@ -16,6 +16,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,11 +24,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh
+from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
-MODEL = "smollm2-135m-instruct"
 WORKERS = 3
 # Load: requests over a few shared prefixes (token-id prompts skip the tokenizer hop, so one
 # text request per round keeps the tokenizer's metrics alive).
@@ -50,7 +51,8 @@ REQUIRED: dict[str, set[str]] = {
         "prefixmesh_edge_tokens_total",
     },
     "tokenizer": {
-        "prefixmesh_tokenizer_requests_total", "prefixmesh_tokenizer_request_latency_seconds_bucket",
+        "prefixmesh_tokenizer_requests_total",
+        "prefixmesh_tokenizer_request_latency_seconds_bucket",
     },
     "scheduler": {
         "prefixmesh_scheduler_decisions_total", "prefixmesh_scheduler_errors_total",
@@ -128,15 +130,15 @@ def wait_for(what: str, check, timeout: float = SETTLE_S):
 
 
 @pytest.fixture(scope="module")
-def mesh(nats_server: str, redis_server: str,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    opts = MeshOptions(workers=WORKERS, policy="e2", port=0, metrics_port=0,
-                       nats_url=nats_server, redis_url=redis_server, subject_prefix="obsmesh",
-                       log_dir=tmp_path_factory.mktemp("obs-logs"), log_level="WARNING")
-    with LocalMesh(opts) as m:
-        assert load_round(m, seed=1) == REQUESTS_PER_ROUND
-        assert bad_request(m) == 400  # errors are part of the load
-        yield m
+def mesh_config() -> dict:
+    return {"workers": WORKERS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initial_load(mesh: LocalMesh) -> None:
+    """The load every test here observes, sent once before the first of them."""
+    assert load_round(mesh, seed=1) == REQUESTS_PER_ROUND
+    assert bad_request(mesh) == 400  # errors are part of the load
 
 
 def bad_request(mesh: LocalMesh) -> int:
@@ -148,13 +150,28 @@ def bad_request(mesh: LocalMesh) -> int:
     return exc.value.code
 
 
+def families(url: str) -> list:
+    """The metric families of one /metrics page (parsed, so the format is checked too)."""
+    return list(text_string_to_metric_families(_get(url).decode()))
+
+
 def scrape(url: str) -> dict[str, list]:
-    """Sample name -> samples of one /metrics page (parsed, so the format is checked too)."""
+    """Sample name -> samples of one /metrics page."""
     samples: dict[str, list] = {}
-    for family in text_string_to_metric_families(_get(url).decode()):
+    for family in families(url):
         for s in family.samples:
             samples.setdefault(s.name, []).append(s)
     return samples
+
+
+def decisions(mesh: LocalMesh) -> Counter[str]:
+    """The schedulers' routing decisions so far, by kind."""
+    out: Counter[str] = Counter()
+    for name, url in mesh.scrape_urls().items():
+        if name.split("-")[0] == "scheduler":
+            for s in scrape(url).get("prefixmesh_scheduler_decisions_total", []):
+                out[s.labels["kind"]] += int(s.value)
+    return out
 
 
 def test_every_named_metric_is_exported_under_load(mesh: LocalMesh) -> None:
@@ -167,17 +184,25 @@ def test_every_named_metric_is_exported_under_load(mesh: LocalMesh) -> None:
     for service, names in REQUIRED.items():
         missing = names - set(by_service.get(service, {}))
         assert not missing, f"{service} does not export {sorted(missing)}"
-    # Prometheus conventions: one prefix, counters end in _total.
-    for service, samples in by_service.items():
-        for name in samples:
-            if name.startswith("prefixmesh_"):
+    # Prometheus conventions: one prefix for everything of ours (the client library's own
+    # process_ and python_ families aside), counters end in _total.
+    for name, url in urls.items():
+        for family in families(url):
+            if family.name.startswith(("process_", "python_")):
                 continue
-            assert not name.startswith("prefixmesh"), name
+            assert family.name.startswith("prefixmesh_"), (name, family.name)
+            if family.type == "counter":
+                assert all(s.name.endswith(("_total", "_created")) for s in family.samples), (
+                    name, family.name)
     sched = by_service["scheduler"]
     kinds = {s.labels["kind"] for s in sched["prefixmesh_scheduler_decisions_total"]}
-    assert E2_KINDS <= kinds, kinds
-    routed = sum(s.value for s in sched["prefixmesh_scheduler_decisions_total"])
-    assert routed >= REQUESTS_PER_ROUND
+    assert kinds <= E2_KINDS | {"affinity", "none"}, kinds
+    # Every request routed is one decision, counted at once; shared prefixes are exploited.
+    before = decisions(mesh)
+    assert load_round(mesh, seed=3) == REQUESTS_PER_ROUND
+    after = decisions(mesh)
+    assert after.total() - before.total() == REQUESTS_PER_ROUND + 1  # + the text prompt
+    assert after["exploit"] > before["exploit"], (before, after)
     edge = by_service["edge"]
     tenants = {s.labels["tenant"] for s in edge["prefixmesh_edge_ttft_seconds_bucket"]}
     assert tenants == {"default"}

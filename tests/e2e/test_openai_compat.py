@@ -16,11 +16,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.services.up import LocalMesh
+from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
-MODEL = "smollm2-135m-instruct"
 KEYS = {"alpha": "sk-alpha-0123", "beta": "sk-beta-4567", "limited": "sk-limited-89"}
 KEY_FILE = f"""
 [tenants.alpha]
@@ -38,19 +38,29 @@ BOTH = pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 
 
 @pytest.fixture(scope="module")
-def mesh(nats_server: str, redis_server: str, tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("compat")
-    (d / "keys.toml").write_text(KEY_FILE)
-    opts = MeshOptions(workers=2, policy="e2", port=0, metrics_port=0, nats_url=nats_server,
-                       redis_url=redis_server, subject_prefix="e2ecompat", log_dir=d,
-                       log_level="WARNING",
-                       extra_env={"PM_API_KEYS_FILE": str(d / "keys.toml")})
-    with LocalMesh(opts) as m:
-        yield m
+def mesh_config(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    keys = tmp_path_factory.mktemp("compat") / "keys.toml"
+    keys.write_text(KEY_FILE)
+    return {"extra_env": {"PM_API_KEYS_FILE": str(keys)}}
 
 
-def _client(mesh: LocalMesh, tenant: str = "alpha") -> OpenAI:
-    return OpenAI(base_url=mesh.url + "/v1", api_key=KEYS[tenant], max_retries=0, timeout=60)
+@pytest.fixture(scope="module", autouse=True)
+def close_clients(mesh: LocalMesh):
+    yield
+    for c in _CLIENTS:  # their pooled connections, closed before the mesh's sockets are gone
+        c.close()
+
+
+# Every client the tests open, closed at the end of the module (an unclosed one leaves a
+# socket for the garbage collector, a ResourceWarning that fails whichever test runs then).
+_CLIENTS: list[OpenAI] = []
+
+
+def _client(mesh: LocalMesh, tenant: str = "alpha", key: str | None = None) -> OpenAI:
+    c = OpenAI(base_url=mesh.url + "/v1", api_key=KEYS[tenant] if key is None else key,
+               max_retries=0, timeout=60)
+    _CLIENTS.append(c)
+    return c
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +289,7 @@ def test_completion_with_allowed_tokens_is_prefill_only_scoring(mesh: LocalMesh,
 
 
 def test_missing_or_unknown_key_is_401(mesh: LocalMesh) -> None:
-    c = OpenAI(base_url=mesh.url + "/v1", api_key="sk-nobody", max_retries=0)
+    c = _client(mesh, key="sk-nobody")
     with pytest.raises(openai.AuthenticationError) as info:
         c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
     assert info.value.body["code"] == "invalid_api_key"

@@ -14,7 +14,7 @@ import pytest
 
 from prefixmesh.shared.runtime.servers import free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _alive(pid: int) -> bool:
@@ -52,10 +52,20 @@ def test_up_starts_own_servers_and_leaves_nothing_running(tmp_path, sig) -> None
         assert all(_alive(p) for p in pids.values())
         with urllib.request.urlopen(info["url"] + "/health", timeout=5) as r:
             assert r.status == 200
+        # Every service's metrics are reachable from what `up` prints and writes: the
+        # scheduler's decision counters, each worker's, the edge's.
+        scrape = info["scrape_urls"]
+        assert {"edge", "scheduler", "worker-0", "worker-1", "tokenizer", "predictor",
+                "metrics"} <= set(scrape)
+        with urllib.request.urlopen(scrape["scheduler"], timeout=5) as r:
+            assert b"prefixmesh_scheduler_decisions_total" in r.read()
+        with urllib.request.urlopen(scrape["worker-0"], timeout=5) as r:
+            assert b"prefixmesh_worker_" in r.read()
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "prefixmesh stopped" in out
+        assert scrape["scheduler"] in out  # printed, not only in the state file
         assert [name for name, p in pids.items() if _alive(p)] == []
     finally:
         if proc.poll() is None:

@@ -27,7 +27,7 @@ from prefixmesh.shared.wire import BlockStored, KvEvent, SamplingParams  # noqa:
 from tests.helpers import eventually  # noqa: E402
 
 # vLLM and torch warn about their own internals; those are not ours to turn into errors.
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+pytestmark = [pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]

@@ -8,7 +8,7 @@ import pytest
 from prefixmesh.services.edge.batch_format import BatchRecord, FileRecord, LineResult
 from prefixmesh.services.edge.batch_store import BatchStore
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
+pytestmark = pytest.mark.timeout(30)
 
 
 async def test_store_round_trip_and_idempotent_results(nats_server: str, prefix: str) -> None:

@@ -17,16 +17,8 @@ from prefixmesh.shared.wire import (
     PredictLengthReply,
     PredictLengthRequest,
 )
-from prefixmesh.shared.subjects import Subjects
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
-
-
-@pytest.fixture
-async def bus(nats_server: str, prefix: str):
-    b = await Bus.connect(nats_server, Subjects(prefix), "test-batching")
-    yield b
-    await b.close()
+pytestmark = pytest.mark.timeout(30)
 
 
 def error(why: str) -> PredictLengthReply:

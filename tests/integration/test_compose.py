@@ -25,9 +25,13 @@ import pytest
 import redis
 import yaml
 
-from prefixmesh.shared.runtime.servers import ManagedProcess, ServerNotFound, find_binary, free_port, wait_port
-
-pytestmark = pytest.mark.integration
+from prefixmesh.shared.runtime.servers import (
+    ManagedProcess,
+    ServerNotFound,
+    find_binary,
+    free_port,
+    wait_port,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -303,7 +307,8 @@ def test_published_services_listen_beyond_loopback(default_model: dict[str, Any]
 
 def test_services_run_their_own_module(default_model: dict[str, Any]) -> None:
     for name in APP_SERVICES:
-        assert default_model["services"][name]["command"] == ["python", "-m", f"prefixmesh.services.{name}"]
+        assert default_model["services"][name]["command"] == [
+            "python", "-m", f"prefixmesh.services.{name}"]
 
 
 @pytest.mark.parametrize("name", ["worker", GPU_WORKER])
@@ -388,7 +393,8 @@ def test_vllm_image_is_pinned_and_runs_the_worker() -> None:
     assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+\S*", image), f"unpinned base {image}"
     assert final_user(DOCKERFILE_VLLM).split(":")[0] not in ("root", "0")
     text = DOCKERFILE_VLLM.read_text()
-    assert re.search(r'^ENTRYPOINT \["python3", "-m", "prefixmesh.services.worker"\]', text, re.MULTILINE)
+    assert re.search(r'^ENTRYPOINT \["python3", "-m", "prefixmesh.services.worker"\]', text,
+                     re.MULTILINE)
     assert "PM_BACKEND=vllm" in text
 
 

@@ -9,17 +9,15 @@ import pytest
 
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.service import EdgeService
+from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
 from tests.helpers import running
-
-pytestmark = pytest.mark.integration
-
-MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture
 async def edge(nats_server: str, prefix: str):
     cfg = EdgeConfig(nats_url=nats_server, subject_prefix=prefix, port=0, models=MODEL,
-                     route_timeout_s=0.5, route_retry_s=0.5, tokenize_timeout_s=0.5, max_body_bytes=4096)
+                     route_timeout_s=0.5, route_retry_s=0.5, tokenize_timeout_s=0.5,
+                     max_body_bytes=4096)
     async with running(EdgeService(cfg)) as svc:
         async with aiohttp.ClientSession() as session:
             yield svc.url, session

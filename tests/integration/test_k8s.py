@@ -13,8 +13,6 @@ from typing import Any
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
-
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 NAMESPACE = "prefixmesh"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import redis.asyncio as aioredis
 
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
@@ -16,15 +15,11 @@ from prefixmesh.shared.wire import (
     ROUTE_REPLY,
     STREAM_EVENT,
     SUBMIT_REPLY,
-    GenerateDoneEvent,
-    GenerateRequest,
-    RouteRequest,
+    RequestDoneEvent,
     SamplingParams,
+    TokenizedRequest,
 )
-from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
-
-pytestmark = pytest.mark.integration
 
 LOAD_INTERVAL_S = 0.05
 
@@ -40,13 +35,6 @@ def _worker(nats_server, prefix, wid) -> WorkerService:
                                       load_interval_s=LOAD_INTERVAL_S))
 
 
-@pytest.fixture
-async def bus(nats_server: str, prefix: str):
-    b = await Bus.connect(nats_server, Subjects(prefix), "test-client")
-    yield b
-    await b.close()
-
-
 # Like the edge (route_retry_s), the client retries a routing request nobody answered.
 ROUTE_PATIENCE_S = 2.0
 
@@ -54,8 +42,8 @@ ROUTE_PATIENCE_S = 2.0
 async def _route(bus: Bus, rid: str, tokens: list[int]):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ROUTE_PATIENCE_S
-    req = RouteRequest(request_id=rid, block_hashes=block_hashes(tokens),
-                       prompt_tokens=len(tokens), max_tokens=4)
+    req = TokenizedRequest(request_id=rid, token_ids=tokens, block_hashes=block_hashes(tokens),
+                           sampling=SamplingParams(max_tokens=4))
     while True:
         try:
             return await bus.request(bus.subjects.route, req, ROUTE_REPLY, 5)
@@ -66,7 +54,7 @@ async def _route(bus: Bus, rid: str, tokens: list[int]):
 
 
 async def _serve(bus: Bus, worker_id: str, rid: str, tokens: list[int], done: list) -> None:
-    await bus.request(bus.subjects.worker_submit(worker_id), GenerateRequest(
+    await bus.request(bus.subjects.worker_submit(worker_id), TokenizedRequest(
         request_id=rid, token_ids=tokens, reply_to=bus.subjects.stream_reply("t", rid),
         sampling=SamplingParams(max_tokens=4, ignore_eos=True)), SUBMIT_REPLY, 5)
     await eventually(lambda: any(d.request_id == rid for d in done))
@@ -77,7 +65,7 @@ async def test_e2_exploits_the_worker_that_cached_a_prefix(bus, nats_server, red
     done: list = []
 
     async def on_stream(ev) -> None:
-        if isinstance(ev, GenerateDoneEvent):
+        if isinstance(ev, RequestDoneEvent):
             done.append(ev)
 
     await bus.subscribe(bus.subjects.stream_inbox("t"), STREAM_EVENT, on_stream)

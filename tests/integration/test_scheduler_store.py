@@ -1,36 +1,28 @@
-"""Incremental write-behind of the policy state to a real Redis (``prefixmesh.services.scheduler.store``)."""
+"""Incremental write-behind of the policy state to a real Redis (services/scheduler/store.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import random
+import functools
 
 import pytest
 import redis.asyncio as aioredis
 
 from prefixmesh.services.scheduler.policies import make_policy
-from prefixmesh.services.scheduler.policies.base import PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.services.scheduler.store import StateStore, StoreLimits
-from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.wire import BlockRemoved, RequestDoneEvent
+from tests.helpers import default_cost, route_input, toks
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
-COST = CostModel.load(DEFAULT_PROFILE)
+COST = default_cost()
 # Virtual wall clock of the tests (the policies run on virtual time too).
 EPOCH = 1.7e9
 
 
-def toks(seed: int, n_blocks: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32_000) for _ in range(n_blocks * BLOCK_SIZE)]
-
-
-def req(rid: str, *parts: list[int]) -> RouteInput:
-    tokens = [t for p in parts for t in p]
-    return RouteInput(rid, block_hashes(tokens), len(tokens), 32)
+req = functools.partial(route_input, max_tokens=32)
 
 
 @pytest.fixture
@@ -86,7 +78,7 @@ async def test_incremental_flushes_restore_the_same_e2_state(client, prefix):
         p.add_worker(f"w{i}", 60_000, 0.0)
     t = 0.0
     store = StateStore(client, f"{prefix}:e2", clock=lambda: t, wall=lambda: t + EPOCH)
-    p.track_changes()
+    p.state.track_changes()
     fulls = []
     for step in range(4):  # 4 flushes: the first is full, the rest incremental
         t = drive(p, step * 150, 150, t)
@@ -164,7 +156,7 @@ async def test_baseline_state_round_trips_through_the_store(client, prefix, name
     for i in range(3):
         p.add_worker(f"w{i}", 0, 0.0)
     store = StateStore(client, f"{prefix}:{name}", clock=lambda: 3.0)
-    p.track_changes()
+    p.state.track_changes()
     for i in range(30):
         p.route(req(f"r{i}", toks(i % 5, 30), toks(100 + i, 2)), 0.1 * i)
         if i == 10:

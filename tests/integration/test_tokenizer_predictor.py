@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from prefixmesh.services.predictor.service import PredictorConfig, PredictorService
 from prefixmesh.services.tokenizer.service import TokenizerConfig, TokenizerService
 from prefixmesh.shared.bus import Bus
@@ -15,17 +13,7 @@ from prefixmesh.shared.wire import (
     PredictLengthRequest,
     TokenizeRequest,
 )
-from prefixmesh.shared.subjects import Subjects
 from tests.helpers import running
-
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def bus(nats_server: str, prefix: str):
-    b = await Bus.connect(nats_server, Subjects(prefix), "test-client")
-    yield b
-    await b.close()
 
 
 async def test_tokenizer_encodes_decodes_and_rejects_bad_requests(bus: Bus, nats_server, prefix):

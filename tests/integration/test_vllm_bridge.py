@@ -17,23 +17,27 @@ from dataclasses import dataclass, field
 
 import msgspec
 import pytest
+import zmq  # noqa: E402  (the [test] extra)
+import zmq.asyncio  # noqa: E402
 
 from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput
 from prefixmesh.services.worker.engine.vllm_engine import VllmEngine, VllmEngineConfig
 from prefixmesh.services.worker.engine.vllm_events import BlockTranslator, encode_seq
 from prefixmesh.services.worker.kv_bridge import KvBridge, KvBridgeConfig
-from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.services.worker.local import make_local_policy
-from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, SamplingParams
+from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    SamplingParams,
+)
 from tests.helpers import eventually
-
-import zmq  # noqa: E402  (the [test] extra)
-import zmq.asyncio  # noqa: E402
-
-pytestmark = pytest.mark.integration
 
 TOPIC = b"kv-events"
 TOKENS = list(range(100, 164))
+PM = block_hashes(TOKENS)  # their prefixmesh block hashes
 ENC = msgspec.msgpack.Encoder()
 
 
@@ -93,23 +97,36 @@ async def fake_vllm(tmp_path) -> AsyncIterator[tuple[FakeVllm, str, str]]:
         ctx.term()
 
 
-async def _run_bridge(cfg: KvBridgeConfig, fake: FakeVllm, first: bytes):
-    """Start a bridge and publish seq 0 until it arrives (PUB/SUB drops what is sent before
-    the subscription lands; the repeats are duplicates the bridge ignores)."""
-    got: list[list[KvEvent]] = []
+@pytest.fixture
+async def start_bridge(fake_vllm):
+    """``await start_bridge(first, replay=True)``: a KvBridge on the fake publisher (with its
+    replay endpoint or not) that has received batch 0 (``first``); returns the fake, the
+    bridge and the event lists it published. Stopped after the test."""
+    fake, events, replay_endpoint = fake_vllm
+    tasks: list[asyncio.Task] = []
 
-    async def publish(events: list[KvEvent]) -> None:
-        got.append(events)
+    async def start(first: bytes, replay: bool = True):
+        got: list[list[KvEvent]] = []
 
-    bridge = KvBridge(cfg, BlockTranslator(), publish)
-    task = asyncio.create_task(bridge.run())
-    fake.buffer[0] = first
-    for _ in range(200):
-        await fake.pub.send_multipart([TOPIC, encode_seq(0), first])
-        await asyncio.sleep(0.02)
-        if got:
-            break
-    return bridge, task, got
+        async def publish(evs: list[KvEvent]) -> None:
+            got.append(evs)
+
+        cfg = KvBridgeConfig(events, replay_endpoint) if replay else KvBridgeConfig(events)
+        bridge = KvBridge(cfg, BlockTranslator(), publish)
+        tasks.append(asyncio.create_task(bridge.run()))
+        # Publish seq 0 until it arrives (PUB/SUB drops what is sent before the
+        # subscription lands; the repeats are duplicates the bridge ignores).
+        fake.buffer[0] = first
+        for _ in range(200):
+            await fake.pub.send_multipart([TOPIC, encode_seq(0), first])
+            await asyncio.sleep(0.02)
+            if got:
+                break
+        return fake, bridge, got
+
+    yield start
+    for task in tasks:
+        await _stop(task)
 
 
 async def _stop(task: asyncio.Task) -> None:
@@ -117,50 +134,34 @@ async def _stop(task: asyncio.Task) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_gap_is_replayed_in_order(fake_vllm) -> None:
-    fake, events, replay = fake_vllm
-    pm = block_hashes(TOKENS)
-    bridge, task, got = await _run_bridge(KvBridgeConfig(events, replay), fake,
-                                          _batch(_stored([11, 12], None, TOKENS[:32])))
-    try:
-        await fake.send(1, _batch(_stored([13, 14], 12, TOKENS[32:])), drop=True)
-        await fake.send(2, _batch(["BlockRemoved", [14], "GPU"]))
-        await eventually(lambda: len(got) == 3, timeout=5)
-        assert got == [[BlockStored(pm[:2], None, TOKENS[:32], 16)],
-                       [BlockStored(pm[2:], pm[1], TOKENS[32:], 16)],  # from the replay
-                       [BlockRemoved([pm[3]])]]
-        assert fake.replay_requests == [1] and bridge.replayed == 1 and bridge.resets == 0
-    finally:
-        await _stop(task)
+async def test_gap_is_replayed_in_order(start_bridge) -> None:
+    fake, bridge, got = await start_bridge(_batch(_stored([11, 12], None, TOKENS[:32])))
+    await fake.send(1, _batch(_stored([13, 14], 12, TOKENS[32:])), drop=True)
+    await fake.send(2, _batch(["BlockRemoved", [14], "GPU"]))
+    await eventually(lambda: len(got) == 3, timeout=5)
+    assert got == [[BlockStored(PM[:2], None, TOKENS[:32], 16)],
+                   [BlockStored(PM[2:], PM[1], TOKENS[32:], 16)],  # from the replay
+                   [BlockRemoved([PM[3]])]]
+    assert fake.replay_requests == [1] and bridge.replayed == 1 and bridge.resets == 0
 
 
-async def test_unreplayable_gap_resets_the_view(fake_vllm) -> None:
-    fake, events, replay = fake_vllm
-    pm = block_hashes(TOKENS)
-    bridge, task, got = await _run_bridge(KvBridgeConfig(events, replay), fake,
-                                          _batch(_stored([11, 12], None, TOKENS[:32])))
-    try:
-        # seq 1 fell out of vLLM's replay buffer: it may have removed blocks we hold.
-        await fake.send(2, _batch(_stored([21], None, TOKENS[:16])))
-        await eventually(lambda: len(got) == 3, timeout=5)
-        assert got[1] == [AllBlocksCleared()]
-        assert got[2] == [BlockStored(pm[:1], None, TOKENS[:16], 16)]
-        assert bridge.resets == 1 and bridge.translator.num_blocks == 1
-    finally:
-        await _stop(task)
+async def test_unreplayable_gap_resets_the_view(start_bridge) -> None:
+    fake, bridge, got = await start_bridge(_batch(_stored([11, 12], None, TOKENS[:32])))
+    # seq 1 fell out of vLLM's replay buffer: it may have removed blocks we hold.
+    await fake.send(2, _batch(_stored([21], None, TOKENS[:16])))
+    await eventually(lambda: len(got) == 3, timeout=5)
+    assert got[1] == [AllBlocksCleared()]
+    assert got[2] == [BlockStored(PM[:1], None, TOKENS[:16], 16)]
+    assert bridge.resets == 1 and bridge.translator.num_blocks == 1
 
 
-async def test_without_a_replay_endpoint_a_gap_resets(fake_vllm) -> None:
-    fake, events, _ = fake_vllm
-    bridge, task, got = await _run_bridge(KvBridgeConfig(events), fake,
-                                          _batch(_stored([11], None, TOKENS[:16])))
-    try:
-        await fake.send(5, _batch(["AllBlocksCleared"]))
-        await eventually(lambda: len(got) == 3, timeout=5)
-        assert got[1:] == [[AllBlocksCleared()], [AllBlocksCleared()]]
-        assert fake.replay_requests == []
-    finally:
-        await _stop(task)
+async def test_without_a_replay_endpoint_a_gap_resets(start_bridge) -> None:
+    fake, bridge, got = await start_bridge(_batch(_stored([11], None, TOKENS[:16])),
+                                           replay=False)
+    await fake.send(5, _batch(["AllBlocksCleared"]))
+    await eventually(lambda: len(got) == 3, timeout=5)
+    assert got[1:] == [[AllBlocksCleared()], [AllBlocksCleared()]]
+    assert fake.replay_requests == []
 
 
 # --------------------------------------------------------------------------- engine

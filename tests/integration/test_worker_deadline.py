@@ -1,10 +1,8 @@
-"""Workers enforce GenerateRequest.deadline: expired requests are refused or dropped."""
+"""Workers enforce TokenizedRequest.deadline: expired requests are refused or dropped."""
 
 from __future__ import annotations
 
 import time
-
-import pytest
 
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
@@ -12,48 +10,42 @@ from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.wire import (
     STREAM_EVENT,
     SUBMIT_REPLY,
-    GenerateDoneEvent,
-    GenerateRequest,
+    RequestDoneEvent,
     SamplingParams,
+    TokenizedRequest,
 )
-from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
-
-pytestmark = pytest.mark.integration
 
 LOAD_INTERVAL_S = 0.05
 
 
-def _request(bus: Bus, rid: str, deadline: float, max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, token_ids=list(range(100, 164)),
+def _request(bus: Bus, rid: str, deadline: float, max_tokens: int) -> TokenizedRequest:
+    return TokenizedRequest(request_id=rid, token_ids=list(range(100, 164)),
                            sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                            reply_to=bus.subjects.stream_reply("t", rid), deadline=deadline)
 
 
-async def test_expired_requests_are_refused_or_dropped(nats_server: str, prefix: str) -> None:
-    bus = await Bus.connect(nats_server, Subjects(prefix), "deadline-test")
-    done: list[GenerateDoneEvent] = []
+async def test_expired_requests_are_refused_or_dropped(bus: Bus, nats_server: str,
+                                                       prefix: str) -> None:
+    done: list[RequestDoneEvent] = []
 
     async def on_event(ev: object) -> None:
-        if isinstance(ev, GenerateDoneEvent):
+        if isinstance(ev, RequestDoneEvent):
             done.append(ev)
 
     await bus.subscribe(bus.subjects.stream_inbox("t"), STREAM_EVENT, on_event)
     worker = WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix,
                                         worker_id="wd", load_interval_s=LOAD_INTERVAL_S))
-    try:
-        async with running(worker):
-            subject = bus.subjects.worker_submit("wd")
-            late = await bus.request(subject, _request(bus, "late", time.time() - 1, 4),
-                                     SUBMIT_REPLY, 5)
-            assert not late.accepted and late.error.code == "timeout" and late.error.retriable
-            # Thousands of decode steps: still running when its deadline passes.
-            ack = await bus.request(subject, _request(bus, "slow", time.time() + 0.5, 20000),
-                                    SUBMIT_REPLY, 5)
-            assert ack.accepted
-            await eventually(lambda: bool(done), timeout=5)
-            assert done[0].request_id == "slow" and done[0].finish_reason == "error"
-            assert done[0].error.code == "timeout" and done[0].error.retriable
-            assert "slow" not in worker.live
-    finally:
-        await bus.close()
+    async with running(worker):
+        subject = bus.subjects.worker_submit("wd")
+        late = await bus.request(subject, _request(bus, "late", time.time() - 1, 4),
+                                 SUBMIT_REPLY, 5)
+        assert not late.accepted and late.error.code == "timeout" and late.error.retriable
+        # Thousands of decode steps: still running when its deadline passes.
+        ack = await bus.request(subject, _request(bus, "slow", time.time() + 0.5, 20000),
+                                SUBMIT_REPLY, 5)
+        assert ack.accepted
+        await eventually(lambda: bool(done), timeout=5)
+        assert done[0].request_id == "slow" and done[0].finish_reason == "error"
+        assert done[0].error.code == "timeout" and done[0].error.retriable
+        assert "slow" not in worker.live

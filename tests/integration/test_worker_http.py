@@ -12,12 +12,12 @@ import pytest
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.http import serve_http
 from prefixmesh.services.worker.service import WorkerService
+from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
 from prefixmesh.shared.runtime.servers import free_port
 from tests.helpers import eventually, running
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
-MODEL = "smollm2-135m-instruct"
 PROMPT = list(range(300, 300 + 96))
 
 
@@ -257,3 +257,30 @@ async def test_time_scale_paces_steps_k_times_slower() -> None:
                 assert r.status == 200
             async with s.get("/server_info") as r:
                 assert (await r.json())["step_lag"]["steps"] == 0
+
+
+async def test_logprobs_and_allowed_tokens_reach_the_engine(http) -> None:
+    """The worker's OpenAI layer is the edge's: logprobs and allowed_token_ids are passed
+    on (the sim's pseudo log-probabilities), streamed and not."""
+    s, _ = http
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "logprobs": 2,
+            "allowed_token_ids": [300, 301]}
+    async with s.post("/v1/completions", json=body) as r:
+        lp = (await r.json())["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 1 and len(lp["top_logprobs"][0]) == 2
+    async with s.post("/v1/completions", json={**body, "stream": True}) as r:
+        events = await _sse(r)
+    streamed = [e["choices"][0]["logprobs"] for e in events[:-1] if e["choices"][0]["logprobs"]]
+    assert streamed and streamed[0]["top_logprobs"][0] == lp["top_logprobs"][0]
+
+
+async def test_prompt_plus_max_tokens_beyond_the_context_is_refused(http) -> None:
+    s, worker = http
+    limit = worker.model.context_length  # 4096 in this fixture
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": limit - len(PROMPT) + 1}
+    async with s.post("/v1/completions", json=body) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert err["code"] == "context_length_exceeded" and f"is {limit} tokens" in err["message"]
+    async with s.post("/v1/completions", json={**body, "max_tokens": limit - len(PROMPT)}) as r:
+        assert r.status == 200

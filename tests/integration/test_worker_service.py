@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from prefixmesh.services.worker.config import WorkerConfig
@@ -16,18 +14,14 @@ from prefixmesh.shared.wire import (
     AbortRequest,
     BlockStored,
     GenerateChunkEvent,
-    GenerateDoneEvent,
-    GenerateRequest,
     KvEventBatch,
     LoadReportEvent,
     RequestDoneEvent,
     ResyncRequest,
     SamplingParams,
+    TokenizedRequest,
 )
-from prefixmesh.shared.subjects import Subjects
 from tests.helpers import eventually, running
-
-pytestmark = pytest.mark.integration
 
 
 class Recorder:
@@ -44,8 +38,9 @@ class Recorder:
 
 
 @pytest.fixture
-async def mesh(nats_server: str, prefix: str):
-    bus = await Bus.connect(nats_server, Subjects(prefix), "test-client")
+async def harness(bus: Bus, nats_server: str, prefix: str):
+    """A worker ``w0`` in-process, and what it publishes: events (KV, load, completion
+    records) and the streams of requests answered to inbox ``t``."""
     events, streams = Recorder(), Recorder()
     s = bus.subjects
     for subject in (s.kv_all, s.load_all, s.done):
@@ -55,16 +50,15 @@ async def mesh(nats_server: str, prefix: str):
                        load_interval_s=0.05, local_policy="fcfs")
     async with running(WorkerService(cfg)) as worker:
         yield bus, worker, events, streams
-    await bus.close()
 
 
-def _req(bus: Bus, rid: str, tokens: list[int], max_tokens: int = 5) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, token_ids=tokens, reply_to=bus.subjects.stream_reply(
+def _req(bus: Bus, rid: str, tokens: list[int], max_tokens: int = 5) -> TokenizedRequest:
+    return TokenizedRequest(request_id=rid, token_ids=tokens, reply_to=bus.subjects.stream_reply(
         "t", rid), sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-async def test_submit_streams_tokens_and_reports(mesh) -> None:
-    bus, worker, events, streams = mesh
+async def test_submit_streams_tokens_and_reports(harness) -> None:
+    bus, worker, events, streams = harness
     await eventually(lambda: events.of(LoadReportEvent))
     report = events.of(LoadReportEvent)[0]
     assert report.worker_id == "w0" and report.total_blocks > 0
@@ -72,11 +66,11 @@ async def test_submit_streams_tokens_and_reports(mesh) -> None:
     ack = await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "a", prompt),
                             SUBMIT_REPLY, 5)
     assert ack.accepted
-    await eventually(lambda: streams.of(GenerateDoneEvent))
+    await eventually(lambda: streams.of(RequestDoneEvent))
     chunks = streams.of(GenerateChunkEvent)
     assert sum(len(c.token_ids) for c in chunks) == 5
     assert "".join(c.text for c in chunks).strip()
-    done = streams.of(GenerateDoneEvent)[0]
+    done = streams.of(RequestDoneEvent)[0]
     assert (done.completion_tokens, done.prompt_tokens, done.finish_reason) == (5, 64, "length")
     await eventually(lambda: events.of(RequestDoneEvent) and events.of(KvEventBatch))
     stored = [e for b in events.of(KvEventBatch) for e in b.events if isinstance(e, BlockStored)]
@@ -87,12 +81,12 @@ async def test_submit_streams_tokens_and_reports(mesh) -> None:
     # Same prompt again: served from the prefix cache.
     streams.items.clear()
     await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "b", prompt), SUBMIT_REPLY, 5)
-    await eventually(lambda: streams.of(GenerateDoneEvent))
-    assert streams.of(GenerateDoneEvent)[0].cached_tokens >= 48
+    await eventually(lambda: streams.of(RequestDoneEvent))
+    assert streams.of(RequestDoneEvent)[0].cached_tokens >= 48
 
 
-async def test_abort_stops_a_request_and_resync_resends_the_cache(mesh) -> None:
-    bus, worker, events, streams = mesh
+async def test_abort_stops_a_request_and_resync_resends_the_cache(harness) -> None:
+    bus, worker, events, streams = harness
     await bus.request(bus.subjects.worker_submit("w0"),
                       _req(bus, "long", list(range(300, 300 + 64)), max_tokens=2000),
                       SUBMIT_REPLY, 5)
@@ -100,8 +94,13 @@ async def test_abort_stops_a_request_and_resync_resends_the_cache(mesh) -> None:
     await bus.publish(bus.subjects.worker_abort("w0"), AbortRequest(request_id="long"))
     await eventually(lambda: not worker.live)
     assert worker.engine.num_running == 0
-    await asyncio.sleep(0.1)
-    assert not streams.of(GenerateDoneEvent)  # an aborted stream gets nothing more
+    # An aborted stream gets nothing more: not even before the stream of a request sent
+    # after the abort (one worker, one connection, one inbox: delivered in order).
+    await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "after", [7] * 32),
+                      SUBMIT_REPLY, 5)
+    await eventually(lambda: streams.of(RequestDoneEvent))
+    assert [d.request_id for d in streams.of(RequestDoneEvent)] == ["after"]
+    assert {c.request_id for c in streams.of(GenerateChunkEvent)} == {"long", "after"}
     before = len(events.of(KvEventBatch))
     await bus.publish(bus.subjects.worker_resync("w0"), ResyncRequest(worker_id="w0"))
     await eventually(lambda: len(events.of(KvEventBatch)) > before)
@@ -110,8 +109,8 @@ async def test_abort_stops_a_request_and_resync_resends_the_cache(mesh) -> None:
     assert any(isinstance(e, BlockStored) for e in snap.events)
 
 
-async def test_bad_submissions_are_refused_not_dropped(mesh) -> None:
-    bus, worker, events, streams = mesh
+async def test_bad_submissions_are_refused_not_dropped(harness) -> None:
+    bus, worker, events, streams = harness
     ack = await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "empty", []),
                             SUBMIT_REPLY, 5)
     assert not ack.accepted and ack.error.code == "bad_request"

@@ -13,13 +13,18 @@ from tests.helpers import need  # noqa: E402
 
 need("ml", "torch", "transformers")
 
-from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E402
 from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
 from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
-from prefixmesh.shared.wire import BlockRemoved, BlockStored, ChatMessage, SamplingParams  # noqa: E402
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
+from prefixmesh.shared.wire import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    ChatMessage,
+    SamplingParams,
+)
 
-pytestmark = [pytest.mark.ml, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 LAYER = 12
 DOC = ("The lighthouse keeper kept a log of every ship that passed the northern cape. "
@@ -51,11 +56,6 @@ class Harness:
         while rid not in self.done:
             await asyncio.sleep(0.01)
         return self.done[rid]
-
-
-@pytest.fixture(scope="module")
-def tok() -> TextTokenizer:
-    return TextTokenizer.load()
 
 
 @pytest.fixture(scope="module")

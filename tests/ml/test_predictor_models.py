@@ -12,12 +12,16 @@ from tests.helpers import need  # noqa: E402
 need("ml", "torch", "transformers")
 import torch  # noqa: E402
 
-from prefixmesh.shared.trail.artifact import HEAD_HIDDEN, PROBE_HIDDEN, PredictorArtifact, mlp, predict_proba  # noqa: E402
-from prefixmesh.services.predictor.encoder import PromptEncoder  # noqa: E402
 from prefixmesh.loadgen.predictor.fit import train_classifier  # noqa: E402
+from prefixmesh.services.predictor.encoder import PromptEncoder  # noqa: E402
+from prefixmesh.shared.trail.artifact import (  # noqa: E402
+    HEAD_HIDDEN,
+    PROBE_HIDDEN,
+    PredictorArtifact,
+    mlp,
+    predict_proba,
+)
 from prefixmesh.shared.trail.lengths import LengthBins, expected_length  # noqa: E402
-
-pytestmark = pytest.mark.ml
 
 
 @pytest.mark.parametrize("mode", ["full", "static"])
@@ -59,8 +63,8 @@ def test_training_depends_on_the_seed_alone() -> None:
 
 
 def test_probe_with_step_features_round_trips_and_reads_the_step(tmp_path: Path) -> None:
-    from prefixmesh.shared.trail.lengths import STEP_FEATURE_DIM, probe_input
     from prefixmesh.services.worker.refiner import Refiner
+    from prefixmesh.shared.trail.lengths import STEP_FEATURE_DIM, probe_input
 
     bins = LengthBins.make(4, 400)
     rng = np.random.default_rng(0)

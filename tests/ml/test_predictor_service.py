@@ -9,43 +9,28 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 
 from tests.helpers import need  # noqa: E402
 
 need("ml", "torch", "transformers")
 
-from prefixmesh.services.predictor.serving import prompt_text  # noqa: E402
-from prefixmesh.shared.trail.lengths import LengthBins, expected_length  # noqa: E402
 from prefixmesh.services.predictor.service import PredictorConfig, PredictorService  # noqa: E402
-from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
+from prefixmesh.services.predictor.serving import prompt_text  # noqa: E402
 from prefixmesh.shared.bus import Bus  # noqa: E402
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
+from prefixmesh.shared.trail.lengths import LengthBins, expected_length  # noqa: E402
 from prefixmesh.shared.wire import PREDICT_REPLY, ChatMessage, PredictLengthRequest  # noqa: E402
-from prefixmesh.shared.subjects import Subjects  # noqa: E402
+from tests.helpers import TINY_LONG as LONG  # noqa: E402
+from tests.helpers import TINY_SHORT as SHORT  # noqa: E402
 from tests.helpers import running  # noqa: E402
-from tests.ml.tiny_artifact import LONG, SHORT, build  # noqa: E402
 
-pytestmark = [pytest.mark.ml, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("predictor") / "tiny"
-    build(folder, encoder="full")
-    return folder
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def tok() -> TextTokenizer:
-    return TextTokenizer.load()
-
-
-@pytest.fixture
-async def bus(nats_server: str, prefix: str):
-    b = await Bus.connect(nats_server, Subjects(prefix), "test-client")
-    yield b
-    await b.close()
+def artifact(tiny_artifact) -> Path:
+    return tiny_artifact("full")
 
 
 def chat(tok: TextTokenizer, text: str) -> list[int]:

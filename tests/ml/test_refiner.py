@@ -14,24 +14,28 @@ from tests.helpers import need  # noqa: E402
 
 need("ml", "torch", "transformers")
 
-from prefixmesh.shared.trail.artifact import predict_proba  # noqa: E402
-from prefixmesh.shared.trail.lengths import LengthBins  # noqa: E402
-from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E402
 from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
 from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
-from prefixmesh.services.worker.refiner import Refiner, attach_refiner, seed_distribution  # noqa: E402
+from prefixmesh.services.worker.refiner import (  # noqa: E402
+    Refiner,
+    attach_refiner,
+    seed_distribution,
+)
+from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
+from prefixmesh.shared.trail.artifact import predict_proba  # noqa: E402
+from prefixmesh.shared.trail.lengths import LengthBins  # noqa: E402
 from prefixmesh.shared.wire import LengthDistribution, SamplingParams  # noqa: E402
-from tests.ml.tiny_artifact import HIDDEN, LAYER, TOKENS_PER_UPDATE, build  # noqa: E402
+from tests.helpers import TINY_HIDDEN as HIDDEN  # noqa: E402
+from tests.helpers import TINY_LAYER as LAYER  # noqa: E402
+from tests.helpers import TINY_TOKENS_PER_UPDATE as TOKENS_PER_UPDATE  # noqa: E402
 
-pytestmark = [pytest.mark.ml, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("refiner") / "tiny"
-    build(folder, encoder="static")
-    return folder
+def artifact(tiny_artifact) -> Path:
+    return tiny_artifact("static")
 
 
 def test_numpy_probe_matches_torch(artifact: Path) -> None:
@@ -100,8 +104,7 @@ def test_seed_distribution() -> None:
     np.testing.assert_allclose(seed_distribution(bins, 250.0, other), seed)
 
 
-async def test_refinement_reaches_sprpt_limited(artifact: Path) -> None:
-    tok = TextTokenizer.load()
+async def test_refinement_reaches_sprpt_limited(artifact: Path, tok: TextTokenizer) -> None:
     policy = make_local_policy("sprpt_limited")
     engine = HfEngine(HfEngineConfig(num_blocks=64), policy, tok)
     refiner = attach_refiner(engine, artifact)

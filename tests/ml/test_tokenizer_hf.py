@@ -17,20 +17,19 @@ from typing import Any
 
 import pytest
 
-# Skip before touching the marker: "ml" is registered with the [ml] extra's test setup.
 # transformers reads GGUF files only with torch installed.
 from tests.helpers import need  # noqa: E402
 
 need("ml", "torch", "transformers")
 import transformers  # noqa: E402
-
 from tokenizers import Tokenizer, pre_tokenizers  # noqa: E402
 
-from prefixmesh.shared.text.gguf_vocab import ensure_default_tokenizer, find_smollm2_gguf  # noqa: E402
+from prefixmesh.shared.text.gguf_vocab import (  # noqa: E402
+    ensure_default_tokenizer,
+    find_smollm2_gguf,
+)
 from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.shared.wire import ChatMessage  # noqa: E402
-
-pytestmark = pytest.mark.ml
 
 STRINGS = [
     "Hello world",
@@ -50,18 +49,6 @@ STRINGS = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tokcache")
-    ensure_default_tokenizer(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def ours(cache_dir: Path) -> TextTokenizer:
-    return TextTokenizer.load(cache_dir=cache_dir)
-
-
-@pytest.fixture(scope="module")
 def hf() -> Any:
     gguf = find_smollm2_gguf()
     return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -71,41 +58,41 @@ def _splits_digits(backend: Tokenizer) -> bool:
     return '"Digits"' in json.dumps(json.loads(backend.to_str())["pre_tokenizer"])
 
 
-def _comparable(ours: TextTokenizer, hf: Any) -> Tokenizer:
+def _comparable(tok: TextTokenizer, hf: Any) -> Tokenizer:
     """Our backend, minus the Digits step when transformers' conversion lacks it."""
-    backend = Tokenizer.from_str(ours.backend.to_str())
+    backend = Tokenizer.from_str(tok.backend.to_str())
     if not _splits_digits(hf.backend_tokenizer):
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     return backend
 
 
-def test_same_vocabulary(ours: TextTokenizer, hf: Any) -> None:
-    assert hf.get_vocab() == ours.backend.get_vocab(with_added_tokens=True)
+def test_same_vocabulary(tok: TextTokenizer, hf: Any) -> None:
+    assert hf.get_vocab() == tok.backend.get_vocab(with_added_tokens=True)
 
 
 @pytest.mark.parametrize("text", STRINGS)
-def test_same_ids(ours: TextTokenizer, hf: Any, text: str) -> None:
+def test_same_ids(tok: TextTokenizer, hf: Any, text: str) -> None:
     expected = hf.encode(text, add_special_tokens=False)
-    assert _comparable(ours, hf).encode(text, add_special_tokens=False).ids == expected
+    assert _comparable(tok, hf).encode(text, add_special_tokens=False).ids == expected
 
 
 @pytest.mark.parametrize("text", STRINGS)
-def test_same_text(ours: TextTokenizer, hf: Any, text: str) -> None:
-    ids = ours.encode(text)
+def test_same_text(tok: TextTokenizer, hf: Any, text: str) -> None:
+    ids = tok.encode(text)
     decoded = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    assert decoded == ours.decode(ids, skip_special_tokens=False) == text
+    assert decoded == tok.decode(ids, skip_special_tokens=False) == text
 
 
-def test_digit_gap_is_the_known_one(ours: TextTokenizer, hf: Any) -> None:
+def test_digit_gap_is_the_known_one(tok: TextTokenizer, hf: Any) -> None:
     ids = hf.encode("x  42", add_special_tokens=False)
     if _splits_digits(hf.backend_tokenizer):
-        assert ids == ours.encode("x  42")
+        assert ids == tok.encode("x  42")
     else:
         pieces = ["x", "Ġ", "Ġ", "4", "2"]  # GPT-2 regex alone: [" ", " 42"]
-        assert ids == [ours.token_to_id(p) for p in pieces]
+        assert ids == [tok.token_to_id(p) for p in pieces]
 
 
-def test_same_chat_prompt(ours: TextTokenizer, hf: Any) -> None:
+def test_same_chat_prompt(tok: TextTokenizer, hf: Any) -> None:
     if not getattr(hf, "chat_template", None):
         pytest.skip("this transformers version drops the GGUF chat template")
     messages = [
@@ -116,12 +103,12 @@ def test_same_chat_prompt(ours: TextTokenizer, hf: Any) -> None:
     as_dicts = [{"role": m.role, "content": m.content} for m in messages]
     for add in (True, False):
         expected = hf.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=add)
-        assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+        assert tok.apply_chat_template(messages, add_generation_prompt=add) == expected
 
 
-def test_our_folder_loads_in_transformers(ours: TextTokenizer, cache_dir: Path) -> None:
-    json_path = ensure_default_tokenizer(cache_dir)
+def test_our_folder_loads_in_transformers(tok: TextTokenizer, tokenizer_dir: Path) -> None:
+    json_path = ensure_default_tokenizer(tokenizer_dir)
     loaded = transformers.AutoTokenizer.from_pretrained(str(json_path.parent))
-    assert loaded.eos_token_id == ours.eos_token_id
+    assert loaded.eos_token_id == tok.eos_token_id
     for text in STRINGS:
-        assert loaded.encode(text, add_special_tokens=True) == ours.encode(text)
+        assert loaded.encode(text, add_special_tokens=True) == tok.encode(text)

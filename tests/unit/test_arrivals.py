@@ -16,8 +16,6 @@ from prefixmesh.loadgen.arrivals import (
 )
 from prefixmesh.loadgen.data import ENV_VAR, DataMissing, data_file
 
-pytestmark = pytest.mark.unit
-
 
 def _first_rows(kind: str, n: int) -> list[Decimal]:
     """The trace's first ``n`` timestamps as exact seconds of the day, parsed independently."""

@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
-import random
+import functools
+
 import pytest
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
-from prefixmesh.services.scheduler.policies.base import GlobalPolicy, NoWorkerError, PolicyConfig, RouteInput
-from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
-from prefixmesh.shared.wire import BlockRemoved, BlockStored, LoadReportEvent, RequestDoneEvent
+from prefixmesh.services.scheduler.policies.base import (
+    GlobalPolicy,
+    NoWorkerError,
+    PolicyConfig,
+)
+from prefixmesh.shared.blocks import BLOCK_SIZE
+from prefixmesh.shared.wire import (
+    BlockRemoved,
+    BlockStored,
+    LoadReportEvent,
+    RequestDoneEvent,
+)
+from tests.helpers import default_cost, route_input, toks
 
-pytestmark = pytest.mark.unit
-
-COST = CostModel.load(DEFAULT_PROFILE)
-
-
-def toks(seed: int, n_blocks: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32_000) for _ in range(n_blocks * BLOCK_SIZE)]
-
-
-def req(rid: str, *parts: list[int], exclude=(), out: float = 0.0) -> RouteInput:
-    tokens = [t for p in parts for t in p]
-    return RouteInput(request_id=rid, block_hashes=block_hashes(tokens), prompt_tokens=len(tokens),
-                      max_tokens=16, predicted_output=out, exclude=frozenset(exclude))
+COST = default_cost()
+req = functools.partial(route_input, max_tokens=16)
 
 
 def make(name: str, n: int = 4, cfg: PolicyConfig | None = None) -> GlobalPolicy:
@@ -65,7 +63,7 @@ def test_baseline_snapshot_restore(name):
     for i in range(6):
         p.route(req(f"r{i}", prefix, toks(10 + i, 2)), 100.0 + i)
     q = make_policy(name, PolicyConfig(), COST)
-    q.restore(p.snapshot())
+    q.state.restore(p.state.snapshot())
     assert list(q.workers) == list(p.workers)
     probe = req("probe", prefix, toks(99, 2))
     assert q.route(probe, 5.0) == p.route(probe, 106.0)

@@ -16,8 +16,6 @@ from prefixmesh.services.edge.batch_format import (
 )
 from prefixmesh.shared.openai.schema import ApiError
 
-pytestmark = pytest.mark.unit
-
 EP = "/v1/completions"
 
 

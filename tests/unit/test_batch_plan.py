@@ -20,13 +20,7 @@ from prefixmesh.services.edge.batch_plan import (
     split_group,
 )
 from prefixmesh.shared.costmodel import CostModel
-
-pytestmark = pytest.mark.unit
-
-
-def seq(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
-
+from tests.helpers import span as seq
 
 # Figure 4 of BatchLLM, reconstructed (the paper draws the tree, not its token counts): six
 # prompts under one short shared system prompt S (4 tokens); three ask about document D1

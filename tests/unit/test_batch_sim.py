@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from prefixmesh.loadgen.batch_sim import MODES, compare, main
 from prefixmesh.loadgen.workloads import build_workload
-
-pytestmark = pytest.mark.unit
 
 
 def test_planned_batch_runs_everything_on_its_planned_workers() -> None:

@@ -1,4 +1,4 @@
-"""Paged KV blocks and the block-hash prefix cache (prefixmesh.services.worker.engine.block_cache)."""
+"""Paged KV blocks and the block-hash prefix cache (services/worker/engine/block_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,10 @@ import pytest
 
 from prefixmesh.services.worker.engine.block_cache import BlockCache
 from prefixmesh.shared.blocks import block_hashes
-from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-
-pytestmark = pytest.mark.unit
+from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.helpers import replay_kv_events, span
 
 BS = 4  # small blocks keep the token lists short
-
-
-def _tokens(base: int, n: int) -> list[int]:
-    return list(range(base, base + n))
 
 
 def _cached_chain(cache: BlockCache, tokens: list[int]) -> list[int]:
@@ -24,25 +19,6 @@ def _cached_chain(cache: BlockCache, tokens: list[int]) -> list[int]:
     assert table is not None
     cache.store(table, 0, hashes, None, tokens)
     return table
-
-
-def _replay(events: list[KvEvent]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
-    """What a consumer of KV events believes is cached: hash -> (parent, tokens)."""
-    view: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-    for ev in events:
-        if isinstance(ev, AllBlocksCleared):
-            view.clear()
-        elif isinstance(ev, BlockRemoved):
-            for h in ev.block_hashes:
-                del view[h]
-        else:
-            assert isinstance(ev, BlockStored)
-            parent = ev.parent_block_hash
-            for i, h in enumerate(ev.block_hashes):
-                assert parent is None or parent in view, "parent must be known first"
-                view[h] = (parent, tuple(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size]))
-                parent = h
-    return view
 
 
 def test_allocate_and_free_track_references() -> None:
@@ -60,7 +36,7 @@ def test_allocate_and_free_track_references() -> None:
 
 def test_store_emits_chain_with_parent_and_tokens() -> None:
     cache = BlockCache(num_blocks=8, block_size=BS)
-    tokens = _tokens(100, 12)
+    tokens = span(100, 12)
     hashes = block_hashes(tokens, block_size=BS)
     table = cache.allocate(3)
     assert table is not None
@@ -79,9 +55,9 @@ def test_store_emits_chain_with_parent_and_tokens() -> None:
 
 def test_unreferenced_blocks_are_evicted_lru_children_first() -> None:
     cache = BlockCache(num_blocks=6, block_size=BS)
-    a = _cached_chain(cache, _tokens(0, 8))
-    b = _cached_chain(cache, _tokens(100, 4))
-    c = _cached_chain(cache, _tokens(200, 4))
+    a = _cached_chain(cache, span(0, 8))
+    b = _cached_chain(cache, span(100, 4))
+    c = _cached_chain(cache, span(200, 4))
     cache.take_events()
     cache.free(a)  # released first: oldest
     cache.free(c)
@@ -101,7 +77,7 @@ def test_unreferenced_blocks_are_evicted_lru_children_first() -> None:
 
 def test_prefix_probe_after_partial_eviction() -> None:
     cache = BlockCache(num_blocks=8, block_size=BS)
-    tokens = _tokens(0, 32)
+    tokens = span(0, 32)
     hashes = block_hashes(tokens, block_size=BS)
     cache.free(_cached_chain(cache, tokens))
     assert cache.cached_prefix_tokens(hashes) == 32
@@ -115,7 +91,7 @@ def test_prefix_probe_after_partial_eviction() -> None:
 
 def test_referenced_blocks_are_never_evicted() -> None:
     cache = BlockCache(num_blocks=3, block_size=BS)
-    held = _cached_chain(cache, _tokens(0, 8))
+    held = _cached_chain(cache, span(0, 8))
     assert cache.allocate(2) is None  # only one block is free
     assert cache.allocate_one() >= 0
     assert cache.allocate_one() == -1
@@ -124,7 +100,7 @@ def test_referenced_blocks_are_never_evicted() -> None:
 
 def test_acquire_reuses_hits_and_is_atomic() -> None:
     cache = BlockCache(num_blocks=4, block_size=BS)
-    tokens = _tokens(0, 8)
+    tokens = span(0, 8)
     hashes = block_hashes(tokens, block_size=BS)
     cache.free(_cached_chain(cache, tokens))
     hits = cache.match_prefix(hashes, max_blocks=10)
@@ -142,7 +118,7 @@ def test_acquire_reuses_hits_and_is_atomic() -> None:
 
 def test_storing_a_duplicate_shares_the_cached_block() -> None:
     cache = BlockCache(num_blocks=4, block_size=BS)
-    tokens = _tokens(0, 4)
+    tokens = span(0, 4)
     first = _cached_chain(cache, tokens)
     cache.take_events()
     table = cache.allocate(1)
@@ -157,13 +133,13 @@ def test_storing_a_duplicate_shares_the_cached_block() -> None:
 
 def test_snapshot_round_trips_and_orders_parents_first() -> None:
     cache = BlockCache(num_blocks=32, block_size=BS)
-    shared = _tokens(0, 8)
+    shared = span(0, 8)
     tables = [
-        _cached_chain(cache, shared + _tokens(100, 8)),
-        _cached_chain(cache, _tokens(500, 4)),
+        _cached_chain(cache, shared + span(100, 8)),
+        _cached_chain(cache, span(500, 4)),
     ]
     # A sibling branch off the shared prefix, stored after the first chain.
-    branch = shared + _tokens(900, 4)
+    branch = shared + span(900, 4)
     hashes = block_hashes(branch, block_size=BS)
     table = cache.match_prefix(hashes, 2)
     new = cache.acquire(table, 1)
@@ -172,17 +148,17 @@ def test_snapshot_round_trips_and_orders_parents_first() -> None:
     cache.store(table, 2, hashes[2:], hashes[1], branch[8:])
     cache.free(tables[1])  # evict a whole chain
     cache.allocate(cache.num_free)
-    live = _replay(cache.take_events())
+    live = replay_kv_events(cache.take_events())
     snapshot = cache.snapshot_events()
     assert isinstance(snapshot[0], AllBlocksCleared)
-    assert _replay(snapshot) == live  # _replay also checks parents come first
+    assert replay_kv_events(snapshot) == live  # _replay also checks parents come first
     assert set(live) == set(cache.cached_hashes())
     assert live[hashes[2]] == (hashes[1], tuple(branch[8:]))
 
 
 def test_reset_clears_everything_but_not_while_referenced() -> None:
     cache = BlockCache(num_blocks=4, block_size=BS)
-    table = _cached_chain(cache, _tokens(0, 8))
+    table = _cached_chain(cache, span(0, 8))
     with pytest.raises(RuntimeError):
         cache.reset()
     cache.free(table)

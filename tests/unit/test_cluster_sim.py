@@ -7,7 +7,11 @@ import json
 import pytest
 
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
-from prefixmesh.loadgen.policy_variants import parse_local_variant, parse_variant, split_variants
+from prefixmesh.loadgen.policy_variants import (
+    parse_local_variant,
+    parse_variant,
+    split_variants,
+)
 from prefixmesh.loadgen.report import load_runs, markdown
 from prefixmesh.loadgen.report import main as report_main
 from prefixmesh.loadgen.results import RequestResult, summarize
@@ -15,8 +19,6 @@ from prefixmesh.loadgen.sweep import main as sim_main
 from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.worker.engine.types import SimEngineConfig
-
-pytestmark = pytest.mark.unit
 
 SCHEMA = {"policy", "local_policy", "workload", "rate", "gpus", "backend", "requests",
           "completed", "failed", "latency_avg_s", "latency_p50_s", "latency_p90_s",
@@ -86,7 +88,8 @@ def test_report_rejects_files_that_are_not_results(tmp_path) -> None:
 
 def test_policy_variants_parse_knobs_into_policy_config() -> None:
     v = parse_variant("e2:th_bal=inf,imbalance_ratio=1.1,replicate_max_workers=1")
-    assert v.policy == "e2" and v.label == "e2:th_bal=inf,imbalance_ratio=1.1,replicate_max_workers=1"
+    assert v.policy == "e2"
+    assert v.label == "e2:th_bal=inf,imbalance_ratio=1.1,replicate_max_workers=1"
     assert v.config.th_bal == float("inf") and v.config.imbalance_ratio == 1.1
     assert v.config.replicate_max_workers == 1
     assert v.config.window_s == PolicyConfig().window_s  # untouched knobs keep defaults
@@ -199,7 +202,8 @@ def test_knee_report_combines_seeds_into_means() -> None:
     assert "knee = 4 req/s" in text and "mean of seeds 0, 1" in text
     # e2: mean p99 4.0 (3 / 5), lowest in seed 1; weighted: mean 5.0, lowest in seed 0.
     assert "| e2/fcfs | 1.500 | 4.000 | 50.0% | 0 | 2.67 | 3.00 | 3.00 / 5.00 | 1 of 2 |" in text
-    assert "| weighted/fcfs | 1.500 | 5.000 | 50.0% | 0 | 2.67 | 2.40 | 2.00 / 8.00 | 1 of 2 |" in text
+    row = "| weighted/fcfs | 1.500 | 5.000 | 50.0% | 0 | 2.67 | 2.40 | 2.00 / 8.00 | 1 of 2 |"
+    assert row in text
 
 
 def test_knee_cli_keeps_only_the_named_policies(tmp_path, capsys) -> None:

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from prefixmesh.services.metrics.cluster import FORGET_AFTER_S, HISTORY_WINDOW_S, ClusterView, percentile
-from prefixmesh.services.scheduler.stats import hot_prefixes
-from prefixmesh.shared.wire import LoadReportEvent, RequestDoneEvent, SchedulerStatsEvent
+from prefixmesh.services.metrics.cluster import (
+    FORGET_AFTER_S,
+    HISTORY_WINDOW_S,
+    ClusterView,
+    percentile,
+)
 from prefixmesh.services.scheduler.prefix_tree import PrefixTree
-
-pytestmark = pytest.mark.unit
+from prefixmesh.services.scheduler.stats import hot_prefixes
+from prefixmesh.shared.wire import (
+    LoadReportEvent,
+    RequestDoneEvent,
+    SchedulerStatsEvent,
+)
 
 
 def _route(tree: PrefixTree, hashes: list[int], worker: str, now: float = 0.0) -> None:

@@ -4,8 +4,6 @@ import pytest
 
 from prefixmesh.shared.costmodel import CostModel, available_profiles
 
-pytestmark = pytest.mark.unit
-
 
 def test_all_four_profiles_ship() -> None:
     assert set(available_profiles()) >= {"mistral-7b-a6000", "mistral-7b-a100",

@@ -1,5 +1,5 @@
-"""E2 (docs/design.md section 5): exploit, explore, prefill/decode balancing, the load cost L + M + P,
-rebalancing, hot-prefix replication, KV-event feedback and snapshots."""
+"""E2 (docs/design.md section 5): exploit, explore, prefill/decode balancing, the load
+cost L + M + P, rebalancing, hot-prefix replication, KV-event feedback and snapshots."""
 
 from __future__ import annotations
 
@@ -8,46 +8,20 @@ from collections import Counter
 
 import pytest
 
-from prefixmesh.services.scheduler.policies.base import NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import NoWorkerError, PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.wire import (
     AllBlocksCleared,
     BlockRemoved,
     LoadReportEvent,
     RequestDoneEvent,
 )
+from tests.helpers import default_cost, e2_policy, route_input, toks
 
-pytestmark = pytest.mark.unit
-
-COST = CostModel.load(DEFAULT_PROFILE)
-
-
-def toks(seed: int, n_blocks: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(32_000) for _ in range(n_blocks * BLOCK_SIZE)]
-
-
-def req(
-    rid: str, *parts: list[int], out: float = 0.0, exclude=(), max_tokens: int = 64
-) -> RouteInput:
-    tokens = [t for p in parts for t in p]
-    return RouteInput(
-        request_id=rid,
-        block_hashes=block_hashes(tokens),
-        prompt_tokens=len(tokens),
-        max_tokens=max_tokens,
-        predicted_output=out,
-        exclude=frozenset(exclude),
-    )
-
-
-def make(n: int = 4, cfg: PolicyConfig | None = None, capacity: int = 0) -> E2Policy:
-    p = E2Policy(cfg or PolicyConfig(), COST)
-    for i in range(n):
-        p.add_worker(f"w{i}", capacity, 0.0)
-    return p
+COST = default_cost()
+req = route_input
+make = e2_policy
 
 
 def others(p: E2Policy, keep: str) -> set[str]:
@@ -292,9 +266,9 @@ def test_snapshot_restore_round_trip_on_another_clock():
     prefix = toks(1, 100)
     for i in range(6):
         p.route(req(f"r{i}", prefix if i % 2 else toks(50 + i, 60), toks(10 + i, 2)), 1000.0 + i)
-    data = p.snapshot()
+    data = p.state.snapshot()
     q = E2Policy(PolicyConfig(window_s=100.0), COST)
-    q.restore(data)
+    q.state.restore(data)
     assert set(q.workers) == set(p.workers)
     probe = req("probe", prefix, toks(99, 2))
     # The restored copy runs on a clock 995 s behind: times are rebased, nothing expires.

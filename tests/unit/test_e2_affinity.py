@@ -10,10 +10,9 @@ from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.wire import BlockRemoved
-from tests.unit.test_e2 import COST, make, req, toks
-
-pytestmark = pytest.mark.unit
-
+from tests.helpers import e2_policy as make
+from tests.helpers import route_input as req
+from tests.helpers import toks
 
 # --------------------------------------------------------------------------- tree budget
 
@@ -90,8 +89,6 @@ def others_than(p: E2Policy, keep: str) -> set[str]:
     return {w for w in p.workers if w != keep}
 
 
-
-
 # --------------------------------------------------------------------------- decode pressure
 
 
@@ -108,7 +105,8 @@ def test_decode_pressure_steers_long_outputs_off_slow_stepping_workers() -> None
         p = make(4, PolicyConfig(decode_step_weight=weight))
         for i in range(4):
             _report(p, f"w{i}", 0.2 if i == 0 else 0.02, 0.0)
-        picks = {p.route(req(f"r{j}", toks(50 + j, 4), out=2000.0, max_tokens=4096), 0.1 * j).worker_id
+        picks = {p.route(req(f"r{j}", toks(50 + j, 4), out=2000.0, max_tokens=4096),
+                         0.1 * j).worker_id
                  for j in range(8)}
         assert ("w0" not in picks) is avoid
 

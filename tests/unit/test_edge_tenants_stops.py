@@ -6,12 +6,20 @@ import math
 
 import pytest
 
-from prefixmesh.shared.openai.schema import ApiError
 from prefixmesh.services.edge.stops import StopMatcher
-from prefixmesh.services.edge.tenants import Admission, ApiKeys, TenantLimits, TokenBucket, bearer_key
-from prefixmesh.services.worker.engine.sim_logprobs import candidate_logprobs, scored_token, token_logprobs
-
-pytestmark = pytest.mark.unit
+from prefixmesh.services.edge.tenants import (
+    Admission,
+    ApiKeys,
+    TenantLimits,
+    TokenBucket,
+    bearer_key,
+)
+from prefixmesh.services.worker.engine.sim_logprobs import (
+    candidate_logprobs,
+    scored_token,
+    token_logprobs,
+)
+from prefixmesh.shared.openai.schema import ApiError
 
 
 def _stream(stops: list[str], chunks: list[str]) -> tuple[str, bool]:

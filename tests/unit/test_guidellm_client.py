@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.loadgen.guidellm_client import export_requests, guidellm_argv, row_from_report
+from prefixmesh.loadgen.guidellm_client import (
+    export_requests,
+    guidellm_argv,
+    row_from_report,
+)
 from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
 from prefixmesh.loadgen.results import to_model_time
-
-pytestmark = pytest.mark.unit
 
 
 def _spec() -> WorkloadSpec:

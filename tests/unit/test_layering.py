@@ -8,6 +8,9 @@
   they may import any part.
 - No two modules import each other, directly or through others (imports under
   ``TYPE_CHECKING`` count: a circle for the type checker is a circle for the reader).
+- Under ``tests/`` no module imports a test module: what tests share lives in
+  ``tests/helpers.py`` (a helper module) or in a ``conftest.py`` (fixtures), and no other
+  module sits beside the tests.
 """
 
 from __future__ import annotations
@@ -122,4 +125,86 @@ def test_the_checks_see_a_violation() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _owner("prefixmesh.services.edge.app") == "services.edge"
     assert _owner("prefixmesh.shared.wire") == "shared"
-    assert "prefixmesh.shared.openai.http" in _imports(MODULES["prefixmesh.services.edge.app"], False)
+    edge_app = MODULES["prefixmesh.services.edge.app"]
+    assert "prefixmesh.shared.openai.http" in _imports(edge_app, False)
+
+
+# --------------------------------------------------------------------------- the tests themselves
+
+TESTS = ROOT / "tests"
+# What a module under tests/ may import from tests/: the helper module (and the packages).
+SHARED_TEST_MODULES = {"tests.helpers"}
+
+
+def _test_tree_module(name: str) -> bool:
+    """Whether ``name`` (``tests.x.y``) is a module file under tests/ (not a package)."""
+    return ROOT.joinpath(*name.split(".")).with_suffix(".py").is_file()
+
+
+def _test_tree_imports(source: str, package: tuple[str, ...]) -> set[str]:
+    """Modules under tests/ that ``source`` imports (absolute ``tests.`` imports and relative
+    ones, resolved from ``package``, e.g. ``("tests", "unit")``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "tests"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "tests":
+                continue
+            for a in node.names:
+                full = f"{module}.{a.name}"
+                found.add(full if _test_tree_module(full) else module)
+    return {m for m in found if _test_tree_module(m)}
+
+
+def test_no_test_module_imports_another() -> None:
+    bad = []
+    for path in sorted(TESTS.rglob("*.py")):
+        package = ("tests", *path.parent.relative_to(TESTS).parts)
+        for dep in sorted(_test_tree_imports(path.read_text(), package) - SHARED_TEST_MODULES):
+            bad.append(f"{path.relative_to(ROOT)} -> {dep}")
+    assert not bad, ("a module under tests/ imports a test module (share through "
+                     "tests/helpers.py or a conftest.py fixture):\n" + "\n".join(bad))
+
+
+def test_tests_hold_only_tests_fixtures_and_the_helper_module() -> None:
+    allowed = {"__init__.py", "conftest.py"}
+    stray = [str(p.relative_to(ROOT)) for p in TESTS.rglob("*.py")
+             if p.name not in allowed and not p.name.startswith("test_")
+             and p != TESTS / "helpers.py"]
+    assert not stray, f"helpers belong in tests/helpers.py or a conftest.py: {sorted(stray)}"
+
+
+def test_modules_do_not_restate_their_folder_marker() -> None:
+    """tests/conftest.py marks every test by its folder (unit, integration, e2e, ml, gpu);
+    a module's own ``pytestmark`` adds only what the folder does not say."""
+    bad = []
+    for path in sorted(TESTS.glob("*/test_*.py")):
+        folder = path.parent.name
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+                marks = {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)}
+                if folder in marks:
+                    bad.append(str(path.relative_to(ROOT)))
+    assert not bad, f"pytestmark restates the folder's marker: {bad}"
+
+
+def test_the_test_import_check_sees_a_violation() -> None:
+    unit = ("tests", "unit")
+    assert _test_tree_imports("from tests.unit.test_e2 import make", unit) == {
+        "tests.unit.test_e2"}
+    assert _test_tree_imports("from tests.unit import test_wire", unit) == {
+        "tests.unit.test_wire"}
+    assert _test_tree_imports("from .test_e2 import make", unit) == {"tests.unit.test_e2"}
+    assert _test_tree_imports("from . import test_e2", unit) == {"tests.unit.test_e2"}
+    assert _test_tree_imports("import tests.unit.test_e2", unit) == {"tests.unit.test_e2"}
+    assert _test_tree_imports("from ..conftest import tok", unit) == {"tests.conftest"}
+    assert _test_tree_imports("from tests.helpers import eventually", unit) == {"tests.helpers"}
+    assert _test_tree_imports("from tests import helpers", unit) == {"tests.helpers"}
+    assert _test_tree_imports("import pytest\nfrom prefixmesh.shared import wire", unit) == set()

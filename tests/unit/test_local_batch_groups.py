@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -21,37 +20,11 @@ from prefixmesh.services.worker.local import (
 )
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import CostModel
-
-pytestmark = pytest.mark.unit
+from tests.helpers import FakeView, SimDriver, request_ids, span
 
 BS = 16
 UNLIMITED = 10**9
-
-
-@dataclass
-class FakeView:
-    """An EngineView whose cache holds exactly the block hashes in ``cached``."""
-
-    num_blocks: int = 100_000
-    num_free_blocks: int = 100_000
-    max_num_seqs: int = 256
-    block_size: int = BS
-    cached: set[int] = field(default_factory=set)
-
-    def cached_prefix_tokens(self, block_hashes: Sequence[int]) -> int:
-        n = 0
-        for h in block_hashes:
-            if h not in self.cached:
-                break
-            n += 1
-        return n * BS
-
-    def cache(self, req: EngineRequest) -> None:
-        self.cached.update(req.block_hashes)
-
-
-def _tokens(base: int, n: int) -> list[int]:
-    return list(range(base, base + n))
+ROOM = 100_000  # KV blocks of a view where memory never binds
 
 
 def _req(rid: str, prompt: list[int], batch: str = "job", max_tokens: int = 16) -> EngineRequest:
@@ -61,38 +34,34 @@ def _req(rid: str, prompt: list[int], batch: str = "job", max_tokens: int = 16) 
 
 def _group(name: str, base: int, prefix: int, distinct: Sequence[int]) -> list[EngineRequest]:
     """Requests ``name0, name1, ...`` sharing a ``prefix``-token prefix."""
-    shared = _tokens(base, prefix)
-    return [_req(f"{name}{i}", shared + _tokens(base + 10_000 * (i + 1), n))
+    shared = span(base, prefix)
+    return [_req(f"{name}{i}", shared + span(base + 10_000 * (i + 1), n))
             for i, n in enumerate(distinct)]
-
-
-def _ids(reqs: Sequence[EngineRequest]) -> list[str]:
-    return [r.request_id for r in reqs]
 
 
 def test_batch_groups_is_registered_and_configurable() -> None:
     assert "batch_groups" in LOCAL_POLICIES
     policy = make_local_policy("batch_groups", BatchGroupsConfig(memory_threshold=0.5))
     assert isinstance(policy, BatchGroupsPolicy) and policy.config.memory_threshold == 0.5
-    assert isinstance(FakeView(), EngineView)
+    assert isinstance(FakeView(ROOM, ROOM), EngineView)
     with pytest.raises(ValueError):
         BatchGroupsConfig(memory_threshold=0.0)
 
 
 def test_requests_are_grouped_by_their_shared_prefix() -> None:
     policy = BatchGroupsPolicy()
-    common = _tokens(0, 64)  # a system prompt every request shares: 4 blocks
-    docs = [common + _tokens(1000 * (d + 1), 320) for d in range(2)]  # 24 blocks each
-    reqs = [_req(f"d{d}q{q}", docs[d] + _tokens(50_000 + 100 * (3 * d + q), 40))
+    common = span(0, 64)  # a system prompt every request shares: 4 blocks
+    docs = [common + span(1000 * (d + 1), 320) for d in range(2)]  # 24 blocks each
+    reqs = [_req(f"d{d}q{q}", docs[d] + span(50_000 + 100 * (3 * d + q), 40))
             for d in range(2) for q in range(3)]
-    lone = _req("lone", common + _tokens(90_000, 200))
+    lone = _req("lone", common + span(90_000, 200))
     for r in [*reqs, lone]:
         policy.push(r, 0.0)
     # Each document group shares its 24 blocks; the loner only the 4-block system prompt.
     assert [policy.shared_blocks(r) for r in reqs] == [24] * 6
     assert policy.shared_blocks(lone) == 4
     groups = policy.plan_groups(BS)
-    assert sorted(sorted(_ids(g.members)) for g in groups) == [
+    assert sorted(sorted(request_ids(g.members)) for g in groups) == [
         ["d0q0", "d0q1", "d0q2"], ["d1q0", "d1q1", "d1q2"], ["lone"]]
 
 
@@ -101,16 +70,16 @@ def test_groups_run_by_largest_inverse_total_tokens_first() -> None:
     # the single request = 300. Count or prefix length would put g1 first, arrival g2.
     g1 = _group("g1-", 0, 320, [32] * 4)
     g2 = _group("g2-", 1_000_000, 160, [400] * 2)
-    single = _req("single", _tokens(2_000_000, 300))
+    single = _req("single", span(2_000_000, 300))
     policy = BatchGroupsPolicy()
     rng = random.Random(0)
     reqs = [*g2, *g1, single]
     rng.shuffle(reqs)
     for r in reqs:
         policy.push(r, 0.0)
-    view = FakeView()
+    view = FakeView(ROOM, ROOM)
     view.cached.update(h for r in reqs for h in r.block_hashes)  # prefixes all cached
-    picked = _ids(policy.select(0.0, 256, UNLIMITED, view))
+    picked = request_ids(policy.select(0.0, 256, UNLIMITED, view))
     assert [rid.split("-")[0].rstrip("0123456789") for rid in picked] == (
         ["single"] + ["g"] * 6)
     assert [rid[:2] for rid in picked[1:]] == ["g1"] * 4 + ["g2"] * 2
@@ -122,7 +91,7 @@ def test_a_group_runs_together_after_its_leader_caches_the_prefix() -> None:
     policy = BatchGroupsPolicy()
     for r in (b[0], a[2], b[1], a[0], a[3], b[2], a[1]):
         policy.push(r, 0.0)
-    view = FakeView()
+    view = FakeView(ROOM, ROOM)
     # Step 1: the leader alone, so the others reuse its prefix instead of recomputing it.
     (leader,) = policy.select(0.0, 256, UNLIMITED, view)
     assert leader.request_id.startswith("a")
@@ -130,14 +99,14 @@ def test_a_group_runs_together_after_its_leader_caches_the_prefix() -> None:
     assert policy.select(0.1, 256, UNLIMITED, view) == []  # prefix not cached yet
     view.cache(leader)  # its prefill step finished
     # Step 3: the rest of group a together, then group b's leader (alone, as before).
-    picked = _ids(policy.select(0.2, 256, UNLIMITED, view))
+    picked = request_ids(policy.select(0.2, 256, UNLIMITED, view))
     assert sorted(picked[:3]) == sorted({"a0", "a1", "a2", "a3"} - {leader.request_id})
     assert picked[3:] == ["b0"]
     assert len(policy) == 2
     # A leader that stopped without caching the prefix hands over to the next member.
     b_leader = next(r for r in b if r.request_id == "b0")
     b_leader.status = b_leader.status.ABORTED
-    assert _ids(policy.select(0.3, 256, UNLIMITED, view)) == ["b1"]
+    assert request_ids(policy.select(0.3, 256, UNLIMITED, view)) == ["b1"]
 
 
 def test_batch_admission_is_bounded_by_kv_memory_not_by_request_count() -> None:
@@ -145,7 +114,7 @@ def test_batch_admission_is_bounded_by_kv_memory_not_by_request_count() -> None:
     def fresh(n: int = 300) -> BatchGroupsPolicy:
         policy = BatchGroupsPolicy(BatchGroupsConfig(memory_threshold=0.5))
         for i in range(n):
-            policy.push(_req(f"r{i}", _tokens(1000 * i, 160), max_tokens=32), 0.0)
+            policy.push(_req(f"r{i}", span(1000 * i, 160), max_tokens=32), 0.0)
         return policy
 
     # 1000 blocks, threshold 0.5: 500 blocks = 41 requests, though 256 slots are free.
@@ -162,17 +131,17 @@ def test_batch_admission_is_bounded_by_kv_memory_not_by_request_count() -> None:
 def test_interactive_requests_go_first_and_are_never_starved() -> None:
     policy = BatchGroupsPolicy(BatchGroupsConfig(memory_threshold=0.5))
     for i in range(100):
-        policy.push(_req(f"b{i}", _tokens(1000 * i, 160), max_tokens=32), 0.0)
-    chat = [_req(f"chat{i}", _tokens(900_000 + 1000 * i, 160), batch="") for i in range(3)]
+        policy.push(_req(f"b{i}", span(1000 * i, 160), max_tokens=32), 0.0)
+    chat = [_req(f"chat{i}", span(900_000 + 1000 * i, 160), batch="") for i in range(3)]
     for i, r in enumerate(chat):
         policy.push(r, float(i))
     view = FakeView(1000, 1000)
-    picked = _ids(policy.select(0.0, 10, UNLIMITED, view))
+    picked = request_ids(policy.select(0.0, 10, UNLIMITED, view))
     assert picked[:3] == ["chat0", "chat1", "chat2"] and len(picked) == 10
     # Batch work fills memory up to the threshold; a new interactive request still goes.
-    late = _req("late", _tokens(990_000, 160), batch="")
+    late = _req("late", span(990_000, 160), batch="")
     policy.push(late, 1.0)
-    assert _ids(policy.select(1.0, 10, UNLIMITED, FakeView(1000, 500))) == ["late"]
+    assert request_ids(policy.select(1.0, 10, UNLIMITED, FakeView(1000, 500))) == ["late"]
 
 
 def _run(policy: LocalPolicy, reqs: list[EngineRequest]) -> list[EngineRequest]:
@@ -181,15 +150,10 @@ def _run(policy: LocalPolicy, reqs: list[EngineRequest]) -> list[EngineRequest]:
     engine = SimEngine(cost, policy, SimEngineConfig())
     for r in reqs:
         engine.add(r, 0.0)
-    started: dict[str, EngineRequest] = {}
-    now = 0.0
-    while (plan := engine.plan_step(now)) is not None:
-        for r in plan.requests:
-            started.setdefault(r.request_id, r)
-        now += plan.duration
-        engine.finish_step(plan, now)
+    d = SimDriver(engine)
+    d.run()
     assert all(r.finish_time is not None for r in reqs)
-    return list(started.values())
+    return d.started()
 
 
 def test_on_the_engine_groups_share_their_prefix_and_run_contiguously() -> None:

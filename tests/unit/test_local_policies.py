@@ -21,8 +21,7 @@ from prefixmesh.services.worker.local import (
     prefill_estimate,
 )
 from prefixmesh.shared.blocks import block_hashes
-
-pytestmark = pytest.mark.unit
+from tests.helpers import request_ids
 
 BS = 16
 PROMPT = 160  # 10 blocks, so cached fractions land on exact groups
@@ -48,10 +47,6 @@ def _req(rid: str, n: int = PROMPT) -> EngineRequest:
     base = zlib.crc32(rid.encode()) * 1_000  # distinct prompts per id, same in every run
     prompt = list(range(base, base + n))
     return EngineRequest(rid, prompt, max_tokens=8, block_hashes=block_hashes(prompt))
-
-
-def _ids(reqs: Sequence[EngineRequest]) -> list[str]:
-    return [r.request_id for r in reqs]
 
 
 # --------------------------------------------------------------------------- registry
@@ -93,12 +88,12 @@ def test_fcfs_admits_in_arrival_order_within_limits() -> None:
     for i, r in enumerate(reqs):
         policy.push(r, float(i))
     assert len(policy) == 6
-    assert _ids(policy.select(0.0, 2, UNLIMITED, cache)) == ["r0", "r1"]
+    assert request_ids(policy.select(0.0, 2, UNLIMITED, cache)) == ["r0", "r1"]
     # Budget: each needs 160 tokens; 161 left means a second one would be chunked, so it
     # is still offered, and then the budget is spent.
-    assert _ids(policy.select(0.0, 10, PROMPT + 1, cache)) == ["r2", "r3"]
+    assert request_ids(policy.select(0.0, 10, PROMPT + 1, cache)) == ["r2", "r3"]
     assert policy.remove("r4") is reqs[4] and policy.remove("r4") is None
-    assert _ids(policy.select(0.0, 10, UNLIMITED, cache)) == ["r5"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, cache)) == ["r5"]
     assert policy.select(0.0, 10, UNLIMITED, cache) == [] and len(policy) == 0
 
 
@@ -113,7 +108,7 @@ def test_fcfs_requeued_requests_go_first_in_order() -> None:
     policy.requeue_front([_req("preempted")])
     assert {r.request_id for r in policy} == {"preempted", "r1", "r2", "r3"}
     assert policy.remove("r2") is not None  # abort reaches the front lane too
-    assert _ids(policy.select(0.0, 10, UNLIMITED, cache)) == ["preempted", "r1", "r3"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, cache)) == ["preempted", "r1", "r3"]
 
 
 # --------------------------------------------------------------------------- prefix_fair
@@ -144,11 +139,12 @@ def test_prefix_fair_quotas_are_proportional_to_rank() -> None:
     cache = FakeCache()
     policy = PrefixFairPolicy()
     _fill_groups(policy, cache, per_group=30)
-    picked = _ids(policy.select(0.0, 55, UNLIMITED, cache))
+    picked = request_ids(policy.select(0.0, 55, UNLIMITED, cache))
     counts = Counter(_group(rid) for rid in picked)
     assert [counts[g] for g in range(10)] == list(range(1, 11))  # group 9 gets 10 of 55
     # Over several batches (steps) too.
-    picked = [rid for _ in range(11) for rid in _ids(policy.select(0.0, 10, UNLIMITED, cache))]
+    picked = [rid for _ in range(11)
+              for rid in request_ids(policy.select(0.0, 10, UNLIMITED, cache))]
     counts = Counter(_group(rid) for rid in picked)
     assert [counts[g] for g in range(10)] == [2 * (g + 1) for g in range(10)]
 
@@ -157,7 +153,7 @@ def test_prefix_fair_is_fcfs_inside_a_group() -> None:
     cache = FakeCache()
     policy = PrefixFairPolicy()
     _fill_groups(policy, cache, per_group=5)
-    picked = _ids(policy.select(0.0, 50, UNLIMITED, cache))
+    picked = request_ids(policy.select(0.0, 50, UNLIMITED, cache))
     for g in range(10):
         mine = [rid for rid in picked if _group(rid) == g]
         assert mine == [f"g{g}-{i}" for i in range(5)]
@@ -177,7 +173,7 @@ def test_prefix_fair_starved_cold_request_runs_within_bound() -> None:
             r = _req(f"g{g}-{steps}")
             cache.set(r, g * PROMPT // 10)
             policy.push(r, float(steps))
-        if "cold" in _ids(policy.select(float(steps), 1, UNLIMITED, cache)):
+        if "cold" in request_ids(policy.select(float(steps), 1, UNLIMITED, cache)):
             break
         assert steps <= bound + 1
     assert steps > 1  # it did wait behind better-cached work
@@ -192,7 +188,7 @@ def test_prefix_fair_starvation_guard_overrides_credit() -> None:
         cache.set(r, PROMPT)
         policy.push(r, 0.0)
     # Smooth WRR alone (ranks 1 and 10) would serve "cold" only at pick 11.
-    picked = _ids(policy.select(0.0, 4, UNLIMITED, cache))
+    picked = request_ids(policy.select(0.0, 4, UNLIMITED, cache))
     assert picked[-1] == "cold" and "cold" not in picked[:-1]
 
 
@@ -203,7 +199,7 @@ def test_prefix_fair_regroups_as_the_cache_changes() -> None:
     policy.push(early, 0.0)
     policy.push(late, 1.0)
     cache.set(late, PROMPT)  # late's prefix got cached by someone else meanwhile
-    assert _ids(policy.select(2.0, 1, UNLIMITED, cache)) == ["late"]
+    assert request_ids(policy.select(2.0, 1, UNLIMITED, cache)) == ["late"]
 
 
 def test_prefix_fair_requeue_scan_limit_and_budget() -> None:
@@ -213,10 +209,10 @@ def test_prefix_fair_requeue_scan_limit_and_budget() -> None:
     for r in reqs:
         policy.push(r, 0.0)
     cache.set(reqs[3], PROMPT)  # best cached, but outside the 2-request window
-    assert _ids(policy.select(0.0, 1, UNLIMITED, cache)) == ["r0"]
+    assert request_ids(policy.select(0.0, 1, UNLIMITED, cache)) == ["r0"]
     policy.requeue_front([reqs[0]])  # the engine could not place it
     # Requeued first, then the window (r1, r2); two prompts use up the budget.
-    assert _ids(policy.select(0.0, 10, 2 * PROMPT, cache)) == ["r0", "r1"]
+    assert request_ids(policy.select(0.0, 10, 2 * PROMPT, cache)) == ["r0", "r1"]
     # Now r3 is inside the window and jumps ahead of r2.
-    assert _ids(policy.select(0.0, 10, UNLIMITED, cache)) == ["r3", "r2"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, cache)) == ["r3", "r2"]
     assert len(policy) == 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import pytest
 
@@ -20,24 +18,10 @@ from prefixmesh.services.worker.local import (
 )
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import CostModel
-
-pytestmark = pytest.mark.unit
+from tests.helpers import FakeView, SimDriver, request_ids
 
 BS = 16
 UNLIMITED = 10**9
-
-
-@dataclass
-class FakeView:
-    """An EngineView with nothing cached and settable capacity."""
-
-    num_blocks: int = 1000
-    num_free_blocks: int = 1000
-    max_num_seqs: int = 256
-    block_size: int = BS
-
-    def cached_prefix_tokens(self, block_hashes: Sequence[int]) -> int:
-        return 0
 
 
 def _req(rid: str, predicted: float = 0.0, n: int = 64, generated: int = 0,
@@ -49,10 +33,6 @@ def _req(rid: str, predicted: float = 0.0, n: int = 64, generated: int = 0,
     req.output_token_ids.extend([7] * generated)  # as if it had run that far
     req.block_ids = list(range(blocks))
     return req
-
-
-def _ids(reqs: Sequence[EngineRequest]) -> list[str]:
-    return [r.request_id for r in reqs]
 
 
 def test_sprpt_is_registered_and_configurable() -> None:
@@ -72,9 +52,9 @@ def test_shorter_predicted_remaining_goes_first() -> None:
     # A preempted request with 95 of 100 predicted tokens done has 5 left.
     policy.push(_req("p100-done95", 100, generated=95), 0.0)
     assert len(policy) == 5
-    assert _ids(policy.select(0.0, 2, UNLIMITED, view)) == ["p100-done95", "p10"]
+    assert request_ids(policy.select(0.0, 2, UNLIMITED, view)) == ["p100-done95", "p10"]
     # The request without a prediction counts as default_prediction (40) tokens.
-    assert _ids(policy.select(0.0, 10, UNLIMITED, view)) == ["p30", "none", "p50"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["p30", "none", "p50"]
     assert len(policy) == 0
 
 
@@ -84,11 +64,11 @@ def test_select_respects_budget_requeue_and_remove() -> None:
     reqs = [_req(f"r{i}", predicted=10 * (i + 1)) for i in range(4)]
     for r in reversed(reqs):
         policy.push(r, 0.0)
-    assert _ids(policy.select(0.0, 10, 65, view)) == ["r0", "r1"]  # 64 tokens each
+    assert request_ids(policy.select(0.0, 10, 65, view)) == ["r0", "r1"]  # 64 tokens each
     policy.requeue_front([reqs[1]])  # the engine could not place it: offered first
     assert policy.remove("r3") is reqs[3] and policy.remove("r3") is None
     assert {r.request_id for r in policy} == {"r1", "r2"}
-    assert _ids(policy.select(0.0, 10, UNLIMITED, view)) == ["r1", "r2"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["r1", "r2"]
 
 
 def test_update_prediction_reranks_a_waiting_request() -> None:
@@ -101,7 +81,7 @@ def test_update_prediction_reranks_a_waiting_request() -> None:
     policy.update_prediction(b, 100)
     assert a.refined_output == 5 and b.refined_output == 100
     assert len(policy) == 3  # re-ranking does not duplicate
-    assert _ids(policy.select(0.0, 10, UNLIMITED, view)) == ["a", "c", "b"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["a", "c", "b"]
 
 
 def test_many_reranks_keep_the_heap_small_and_the_order_right() -> None:
@@ -129,7 +109,7 @@ def test_preempts_only_inside_the_window_of_floor_c_times_r() -> None:
     view = FakeView(max_num_seqs=2, num_free_blocks=0)  # no slot and no memory
     assert policy.preempt(0.0, [past, inside], view) == [inside]
     assert len(policy) == 2  # looking at candidates leaves them waiting
-    assert _ids(policy.select(0.0, 10, UNLIMITED, view)) == ["s1", "s2"]
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["s1", "s2"]
 
 
 def test_preempts_longest_first_and_only_for_a_shorter_request_without_room() -> None:
@@ -141,10 +121,10 @@ def test_preempts_longest_first_and_only_for_a_shorter_request_without_room() ->
     assert policy.preempt(0.0, running, FakeView(max_num_seqs=4)) == []
     # Slots full: only requests predicted longer than the waiting one (400) qualify,
     # the longest first, one per waiting request.
-    assert _ids(policy.preempt(0.0, running, FakeView(max_num_seqs=3))) == ["r900"]
+    assert request_ids(policy.preempt(0.0, running, FakeView(max_num_seqs=3))) == ["r900"]
     # A free slot but no KV memory for its 4 blocks: memory also triggers preemption.
     view = FakeView(max_num_seqs=4, num_free_blocks=3)
-    assert _ids(policy.preempt(0.0, running, view)) == ["r900"]
+    assert request_ids(policy.preempt(0.0, running, view)) == ["r900"]
     # Nothing waiting is shorter than what runs: no preemption.
     policy.select(0.0, 10, UNLIMITED, FakeView())
     policy.push(_req("w950", 950), 0.0)
@@ -154,39 +134,22 @@ def test_preempts_longest_first_and_only_for_a_shorter_request_without_room() ->
 # --------------------------------------------------------------------------- on the engine
 
 
-def _run(engine: SimEngine, now: float = 0.0) -> tuple[float, dict[str, EngineRequest]]:
-    done: dict[str, EngineRequest] = {}
-    while (plan := engine.plan_step(now)) is not None:
-        now += plan.duration
-        for out in engine.finish_step(plan, now):
-            if out.finished:
-                done[out.request_id] = out.request
-    return now, done
-
-
-def _step_until(engine: SimEngine, now: float, generated: int, req: EngineRequest) -> float:
-    while req.num_output_tokens < generated:
-        plan = engine.plan_step(now)
-        assert plan is not None
-        now += plan.duration
-        engine.finish_step(plan, now)
-    return now
-
-
 @pytest.mark.parametrize(("long_done", "preempted"), [(10, True), (90, False)])
 def test_on_the_engine_a_short_request_preempts_a_long_one_only_early(
     long_done: int, preempted: bool
 ) -> None:
     cost = CostModel.load("mistral-7b-a6000")
     engine = SimEngine(cost, SprptPolicy(), SimEngineConfig(max_num_seqs=1))
+    d = SimDriver(engine)
     long = EngineRequest("long", list(range(100)), max_tokens=100, output_len=100,
                          predicted_output=100)
     engine.add(long, 0.0)
-    now = _step_until(engine, 0.0, long_done, long)  # window: first 80 tokens
+    d.step_until(lambda: long.num_output_tokens >= long_done)  # window: first 80 tokens
     short = EngineRequest("short", list(range(5000, 5100)), max_tokens=5, output_len=5,
                           predicted_output=5)
-    engine.add(short, now)
-    _, done = _run(engine, now)
+    engine.add(short, d.now)
+    d.run()
+    done = d.finished()
     short_done, long_done_at = done["short"].finish_time, done["long"].finish_time
     assert short_done is not None and long_done_at is not None
     assert (short_done < long_done_at) is preempted

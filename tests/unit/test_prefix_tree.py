@@ -3,20 +3,9 @@ snapshots."""
 
 from __future__ import annotations
 
-import random
-
-import pytest
-
-from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.services.scheduler.prefix_tree import PrefixTree
-
-pytestmark = pytest.mark.unit
-
-
-def toks(seed: int, n_blocks: int) -> list[int]:
-    """``n_blocks`` full blocks of deterministic pseudo-random token ids."""
-    rng = random.Random(seed)
-    return [rng.randrange(32_000) for _ in range(n_blocks * BLOCK_SIZE)]
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from tests.helpers import toks
 
 
 def chain(*parts: list[int]) -> list[int]:

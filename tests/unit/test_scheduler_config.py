@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from prefixmesh.services.scheduler.__main__ import parse
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
-
-pytestmark = pytest.mark.unit
 
 
 def test_policy_knobs_come_from_env_and_cli(monkeypatch):

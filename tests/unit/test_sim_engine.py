@@ -1,4 +1,5 @@
-"""The simulated GPU engine (prefixmesh.services.worker.engine.sim): vLLM-like behaviour in virtual time."""
+"""The simulated GPU engine (services/worker/engine/sim.py): vLLM-like behaviour in virtual
+time."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ from prefixmesh.services.worker.engine.types import (
     DEFAULT_OUTPUT_TOKEN_POOL,
     EngineRequest,
     SimEngineConfig,
-    StepOutput,
     StepPlan,
 )
-from prefixmesh.services.worker.local import FcfsPolicy, PrefixFairPolicy
+from prefixmesh.services.worker.local import FcfsPolicy, LocalPolicy, PrefixFairPolicy
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-
-pytestmark = pytest.mark.unit
+from prefixmesh.shared.wire import AllBlocksCleared, BlockStored
+from tests.helpers import SimDriver, replay_kv_events, span
 
 BS = 16
 
@@ -29,43 +28,15 @@ def cost() -> CostModel:
     return CostModel.load("mistral-7b-a6000")
 
 
-def _prompt(base: int, n: int) -> list[int]:
-    return list(range(base, base + n))
-
-
 def _req(rid: str, prompt: list[int], out: int = 4, max_tokens: int = 64, **kw) -> EngineRequest:
     return EngineRequest(rid, prompt, max_tokens=max_tokens, output_len=out, **kw)
 
 
-class Driver:
-    """Runs an engine in virtual time, keeping every plan and output."""
-
-    def __init__(self, engine: SimEngine, now: float = 0.0) -> None:
-        self.engine = engine
-        self.now = now
-        self.plans: list[StepPlan] = []
-        self.outputs: dict[str, list[StepOutput]] = {}
-        self.events: list[KvEvent] = []
-
-    def step(self) -> StepPlan | None:
-        plan = self.engine.plan_step(self.now)
-        if plan is None:
-            return None
-        self.plans.append(plan)
-        self.now += plan.duration
-        for out in self.engine.finish_step(plan, self.now):
-            self.outputs.setdefault(out.request_id, []).append(out)
-        self.events += self.engine.take_kv_events()
-        return plan
-
-    def run(self, max_steps: int = 100_000) -> None:
-        for _ in range(max_steps):
-            if self.step() is None:
-                return
-        raise AssertionError("engine did not drain")
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for out in self.outputs[rid] for t in out.new_token_ids]
+def _driven(cost: CostModel, policy: LocalPolicy | None = None,
+            **config: object) -> tuple[SimEngine, SimDriver]:
+    """A sim engine (``config``: SimEngineConfig fields) and a driver for it, at time 0."""
+    engine = SimEngine(cost, policy, SimEngineConfig(**config))  # type: ignore[arg-type]
+    return engine, SimDriver(engine)
 
 
 def _t(value: float | None) -> float:
@@ -80,32 +51,13 @@ def _expected_tokens(rid: str, n: int) -> list[int]:
     return [pool[(seed + i) % len(pool)] for i in range(n)]
 
 
-def _replay(events: list[KvEvent]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
-    view: dict[int, tuple[int | None, tuple[int, ...]]] = {}
-    for ev in events:
-        if isinstance(ev, AllBlocksCleared):
-            view.clear()
-        elif isinstance(ev, BlockRemoved):
-            for h in ev.block_hashes:
-                del view[h]
-        else:
-            assert isinstance(ev, BlockStored)
-            parent = ev.parent_block_hash
-            for i, h in enumerate(ev.block_hashes):
-                assert parent is None or parent in view
-                view[h] = (parent, tuple(ev.token_ids[i * BS : (i + 1) * BS]))
-                parent = h
-    return view
-
-
 # --------------------------------------------------------------------------- step timing
 
 
 def test_prefill_time_matches_cost_model_chunking(cost: CostModel) -> None:
-    engine = SimEngine(cost)
+    engine, d = _driven(cost)
     prompt_len = 5000  # three chunks of the 2048-token budget
-    engine.add(_req("a", _prompt(0, prompt_len), out=1), 0.0)
-    d = Driver(engine)
+    engine.add(_req("a", span(0, prompt_len), out=1), 0.0)
     d.run()
     assert [p.batch for p in d.plans] == [[(2048, 2048)], [(2048, 4096)], [(904, 5000)]]
     req = d.outputs["a"][-1].request
@@ -115,9 +67,8 @@ def test_prefill_time_matches_cost_model_chunking(cost: CostModel) -> None:
 
 
 def test_cached_prefix_cuts_prefill(cost: CostModel) -> None:
-    engine = SimEngine(cost)
-    prompt = _prompt(0, 3000)
-    d = Driver(engine)
+    engine, d = _driven(cost)
+    prompt = span(0, 3000)
     engine.add(_req("cold", prompt, out=2), d.now)
     d.run()
     engine.add(_req("warm", prompt, out=2), d.now)
@@ -134,11 +85,10 @@ def test_cached_prefix_cuts_prefill(cost: CostModel) -> None:
 
 
 def test_prompt_fully_cached_recomputes_its_last_block(cost: CostModel) -> None:
-    engine = SimEngine(cost)
-    d = Driver(engine)
-    engine.add(_req("a", _prompt(0, 64), out=1), 0.0)
+    engine, d = _driven(cost)
+    engine.add(_req("a", span(0, 64), out=1), 0.0)
     d.run()
-    engine.add(_req("b", _prompt(0, 64), out=1), d.now)
+    engine.add(_req("b", span(0, 64), out=1), d.now)
     d.run()
     assert d.outputs["b"][0].num_cached_tokens == 48
     assert d.plans[-1].batch == [(16, 64)]
@@ -146,10 +96,9 @@ def test_prompt_fully_cached_recomputes_its_last_block(cost: CostModel) -> None:
 
 def test_decode_step_time_grows_with_batch_context(cost: CostModel) -> None:
     def decode_step(prompt_len: int) -> StepPlan:
-        engine = SimEngine(cost)
+        engine, d = _driven(cost)
         for i in range(8):
-            engine.add(_req(f"r{i}", _prompt(i * 100_000, prompt_len), out=100), 0.0)
-        d = Driver(engine)
+            engine.add(_req(f"r{i}", span(i * 100_000, prompt_len), out=100), 0.0)
         while True:
             plan = d.step()
             assert plan is not None
@@ -171,11 +120,10 @@ def test_decode_step_time_grows_with_batch_context(cost: CostModel) -> None:
 
 
 def test_decodes_first_then_prefill_chunks_with_budget(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(max_batched_tokens=1000))
-    d = Driver(engine)
-    engine.add(_req("short", _prompt(0, 100), out=50), 0.0)
+    engine, d = _driven(cost, max_batched_tokens=1000)
+    engine.add(_req("short", span(0, 100), out=50), 0.0)
     d.step()
-    engine.add(_req("long", _prompt(10_000, 2500), out=1), d.now)
+    engine.add(_req("long", span(10_000, 2500), out=1), d.now)
     plans = [d.step() for _ in range(3)]
     assert [p.batch for p in plans] == [  # type: ignore[union-attr]
         [(1, 101), (999, 999)],
@@ -186,9 +134,8 @@ def test_decodes_first_then_prefill_chunks_with_budget(cost: CostModel) -> None:
 
 
 def test_prefill_chunk_cap(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(max_prefill_chunk=512))
-    engine.add(_req("a", _prompt(0, 1200), out=1), 0.0)
-    d = Driver(engine)
+    engine, d = _driven(cost, max_prefill_chunk=512)
+    engine.add(_req("a", span(0, 1200), out=1), 0.0)
     d.run()
     assert [p.batch for p in d.plans] == [[(512, 512)], [(512, 1024)], [(176, 1200)]]
     with pytest.raises(ValueError):
@@ -196,10 +143,9 @@ def test_prefill_chunk_cap(cost: CostModel) -> None:
 
 
 def test_max_num_seqs_queues_the_rest(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(max_num_seqs=2))
+    engine, d = _driven(cost, max_num_seqs=2)
     for i in range(3):
-        engine.add(_req(f"r{i}", _prompt(i * 1000, 32), out=3), 0.0)
-    d = Driver(engine)
+        engine.add(_req(f"r{i}", span(i * 1000, 32), out=3), 0.0)
     d.step()
     assert engine.num_running == 2 and engine.num_waiting == 1
     d.run()
@@ -219,9 +165,8 @@ def test_max_num_seqs_queues_the_rest(cost: CostModel) -> None:
 def test_output_length_rules(
     cost: CostModel, output_len: int, max_tokens: int, n: int, reason: str
 ) -> None:
-    engine = SimEngine(cost)
-    engine.add(_req("x", _prompt(0, 40), out=output_len, max_tokens=max_tokens), 0.0)
-    d = Driver(engine)
+    engine, d = _driven(cost)
+    engine.add(_req("x", span(0, 40), out=output_len, max_tokens=max_tokens), 0.0)
     d.run()
     outs = d.outputs["x"]
     assert d.tokens("x") == _expected_tokens("x", n)
@@ -236,9 +181,8 @@ def test_output_length_rules(
 def test_output_tokens_are_deterministic_across_engines(cost: CostModel) -> None:
     runs = []
     for _ in range(2):
-        engine = SimEngine(cost)
-        engine.add(_req("same-id", _prompt(0, 20), out=30, max_tokens=30), 0.0)
-        d = Driver(engine)
+        engine, d = _driven(cost)
+        engine.add(_req("same-id", span(0, 20), out=30, max_tokens=30), 0.0)
         d.run()
         runs.append(d.tokens("same-id"))
     assert runs[0] == runs[1] == _expected_tokens("same-id", 30)
@@ -249,12 +193,11 @@ def test_output_tokens_are_deterministic_across_engines(cost: CostModel) -> None
 
 def test_running_blocks_are_protected_and_admission_waits(cost: CostModel) -> None:
     # 8 blocks: A holds 5 (70 prompt + 9 output tokens), B needs 4 at admission.
-    engine = SimEngine(cost, config=SimEngineConfig(num_blocks=8))
-    engine.add(_req("A", _prompt(0, 70), out=10), 0.0)
-    d = Driver(engine)
+    engine, d = _driven(cost, num_blocks=8)
+    engine.add(_req("A", span(0, 70), out=10), 0.0)
     d.step()
     held = list(engine.get("A").block_ids)  # type: ignore[union-attr]
-    engine.add(_req("B", _prompt(5000, 60), out=1), d.now)
+    engine.add(_req("B", span(5000, 60), out=1), d.now)
     d.step()
     assert engine.num_waiting == 1  # no room: B waits rather than evicting A's blocks
     assert all(engine.cache.ref_count(b) == 1 for b in held)
@@ -275,11 +218,10 @@ class _CountingFcfs(FcfsPolicy):
 
 def test_admission_blocked_on_memory_waits_for_free_blocks(cost: CostModel) -> None:
     policy = _CountingFcfs()
-    engine = SimEngine(cost, policy, SimEngineConfig(num_blocks=8))
-    d = Driver(engine)
-    engine.add(_req("A", _prompt(0, 70), out=10), 0.0)
+    engine, d = _driven(cost, num_blocks=8, policy=policy)
+    engine.add(_req("A", span(0, 70), out=10), 0.0)
     d.step()
-    engine.add(_req("B", _prompt(5000, 60), out=1), d.now)
+    engine.add(_req("B", span(5000, 60), out=1), d.now)
     for _ in range(5):
         d.step()
     assert policy.selects == 2  # A's admission, then B's failed try; no retry while full
@@ -289,10 +231,9 @@ def test_admission_blocked_on_memory_waits_for_free_blocks(cost: CostModel) -> N
 
 def test_preemption_by_recompute_when_memory_runs_out(cost: CostModel) -> None:
     # 12 blocks; three requests of 48 prompt + 60 output tokens need 7 blocks each.
-    engine = SimEngine(cost, config=SimEngineConfig(num_blocks=12))
+    engine, d = _driven(cost, num_blocks=12)
     for i in range(3):
-        engine.add(_req(f"r{i}", _prompt(i * 1000, 48), out=60), 0.0)
-    d = Driver(engine)
+        engine.add(_req(f"r{i}", span(i * 1000, 48), out=60), 0.0)
     d.run()
     preempted = [rid for p in d.plans for rid in p.preempted]
     assert preempted and preempted[0] == "r2"  # the most recently admitted goes first
@@ -311,17 +252,16 @@ def test_preemption_by_recompute_when_memory_runs_out(cost: CostModel) -> None:
 
 
 def test_abort_frees_blocks_at_once(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(num_blocks=64, max_num_seqs=1))
-    engine.add(_req("run", _prompt(0, 100), out=50), 0.0)
-    engine.add(_req("wait", _prompt(1000, 100), out=5), 0.0)
-    d = Driver(engine)
+    engine, d = _driven(cost, num_blocks=64, max_num_seqs=1)
+    engine.add(_req("run", span(0, 100), out=50), 0.0)
+    engine.add(_req("wait", span(1000, 100), out=5), 0.0)
     d.step()
     assert engine.cache.num_free == 64 - 7
     assert engine.abort("run", d.now) and engine.cache.num_free == 64
     assert not engine.abort("run", d.now) and not engine.abort("nope", d.now)
     # Its full prompt blocks stay cached (evictable).
-    assert engine.cached_prefix_tokens(block_hashes(_prompt(0, 100))) == 96
-    engine.add(_req("gone", _prompt(2000, 10), out=5), d.now)
+    assert engine.cached_prefix_tokens(block_hashes(span(0, 100))) == 96
+    engine.add(_req("gone", span(2000, 10), out=5), d.now)
     assert engine.abort("gone", d.now) and engine.num_waiting == 1
     # Abort while a step is in flight: the request is dropped from the plan's results.
     plan = engine.plan_step(d.now)
@@ -335,10 +275,9 @@ def test_abort_frees_blocks_at_once(cost: CostModel) -> None:
 
 
 def test_kv_events_cover_prompt_and_output_blocks(cost: CostModel) -> None:
-    engine = SimEngine(cost)
-    prompt = _prompt(0, 40)  # 2 full blocks + 8 tokens
+    engine, d = _driven(cost)
+    prompt = span(0, 40)  # 2 full blocks + 8 tokens
     engine.add(_req("a", prompt, out=30, tenant="t1"), 0.0)
-    d = Driver(engine)
     d.step()
     hashes = block_hashes(prompt, "t1")
     assert d.events == [
@@ -357,27 +296,25 @@ def test_kv_events_cover_prompt_and_output_blocks(cost: CostModel) -> None:
 
 
 def test_multi_turn_continuation_hits_output_blocks(cost: CostModel) -> None:
-    engine = SimEngine(cost)
-    d = Driver(engine)
-    first = _prompt(0, 40)
+    engine, d = _driven(cost)
+    first = span(0, 40)
     engine.add(_req("turn1", first, out=30), 0.0)
     d.run()
-    second = first + d.tokens("turn1") + _prompt(9000, 20)
+    second = first + d.tokens("turn1") + span(9000, 20)
     engine.add(_req("turn2", second, out=2), d.now)
     d.run()
     assert d.outputs["turn2"][0].num_cached_tokens == 64
 
 
 def test_eviction_emits_block_removed(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(num_blocks=6))
-    d = Driver(engine)
-    a = _prompt(0, 64)
+    engine, d = _driven(cost, num_blocks=6)
+    a = span(0, 64)
     engine.add(_req("a", a, out=1), 0.0)
     d.run()
     d.events.clear()
-    engine.add(_req("b", _prompt(5000, 64), out=1), d.now)
+    engine.add(_req("b", span(5000, 64), out=1), d.now)
     d.step()
-    removed = [h for ev in d.events if isinstance(ev, BlockRemoved) for h in ev.block_hashes]
+    removed = d.removed()
     # 6 blocks: "a" left 4 cached and 2 empty; "b" needs 4: the 2 empty ones first, then 2
     # evictions, the last block of "a" first (its prefix stays usable).
     assert removed == block_hashes(a)[::-1][:2]
@@ -385,53 +322,49 @@ def test_eviction_emits_block_removed(cost: CostModel) -> None:
 
 
 def test_eviction_is_least_recently_used_first(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(num_blocks=8))
-    d = Driver(engine)
-    a, b = _prompt(0, 64), _prompt(5000, 64)
+    engine, d = _driven(cost, num_blocks=8)
+    a, b = span(0, 64), span(5000, 64)
     for rid, prompt in [("a", a), ("b", b), ("a-again", a)]:  # "a" is now the fresher one
         engine.add(_req(rid, prompt, out=1), d.now)
         d.run()
     assert d.outputs["a-again"][0].num_cached_tokens == 48
     d.events.clear()
-    engine.add(_req("c", _prompt(9000, 64), out=1), d.now)
+    engine.add(_req("c", span(9000, 64), out=1), d.now)
     d.run()
-    removed = [h for ev in d.events if isinstance(ev, BlockRemoved) for h in ev.block_hashes]
+    removed = d.removed()
     assert removed[:4] == block_hashes(b)[::-1]  # all of "b" goes before any of "a"
     assert engine.cached_prefix_tokens(block_hashes(a)) > 0
     assert engine.cached_prefix_tokens(block_hashes(b)) == 0
 
 
 def test_snapshot_events_match_the_event_stream(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(num_blocks=40))
-    d = Driver(engine)
-    base = _prompt(0, 100)
+    engine, d = _driven(cost, num_blocks=40)
+    base = span(0, 100)
     for i in range(6):
-        engine.add(_req(f"r{i}", base + _prompt(1000 * (i + 1), 60 + 7 * i), out=20), d.now)
+        engine.add(_req(f"r{i}", base + span(1000 * (i + 1), 60 + 7 * i), out=20), d.now)
         d.step()
     d.run()
-    live = _replay(d.events)
+    live = replay_kv_events(d.events)
     assert live and set(live) == set(engine.cache.cached_hashes())
     snap = engine.snapshot_events()
     assert isinstance(snap[0], AllBlocksCleared)
-    assert _replay(snap) == live
+    assert replay_kv_events(snap) == live
 
 
 def test_reset_cache_only_when_idle(cost: CostModel) -> None:
-    engine = SimEngine(cost)
-    engine.add(_req("a", _prompt(0, 100), out=3), 0.0)
-    d = Driver(engine)
+    engine, d = _driven(cost)
+    engine.add(_req("a", span(0, 100), out=3), 0.0)
     d.step()
     assert engine.reset_cache() is False
     d.run()
     assert engine.reset_cache() is True
     assert engine.take_kv_events()[-1] == AllBlocksCleared()
-    assert engine.cached_prefix_tokens(block_hashes(_prompt(0, 100))) == 0
+    assert engine.cached_prefix_tokens(block_hashes(span(0, 100))) == 0
 
 
 def test_tenant_salt_prevents_cross_tenant_hits(cost: CostModel) -> None:
-    engine = SimEngine(cost)
-    d = Driver(engine)
-    prompt = _prompt(0, 500)
+    engine, d = _driven(cost)
+    prompt = span(0, 500)
     for rid, tenant in [("a1", "acme"), ("b1", "bravo"), ("a2", "acme")]:
         engine.add(_req(rid, prompt, out=1, tenant=tenant), d.now)
         d.run()
@@ -443,9 +376,8 @@ def test_tenant_salt_prevents_cross_tenant_hits(cost: CostModel) -> None:
 
 
 def test_stats_window(cost: CostModel) -> None:
-    engine = SimEngine(cost, config=SimEngineConfig(stats_window_s=5.0))
-    d = Driver(engine)
-    prompt = _prompt(0, 1000)
+    engine, d = _driven(cost, stats_window_s=5.0)
+    prompt = span(0, 1000)
     engine.add(_req("a", prompt, out=10), 0.0)
     engine.add(_req("b", prompt, out=10), 0.0)
     st = engine.stats(0.0)
@@ -471,13 +403,13 @@ def test_stats_window(cost: CostModel) -> None:
 
 def test_add_validates(cost: CostModel) -> None:
     engine = SimEngine(cost, config=SimEngineConfig(num_blocks=4))
-    engine.add(_req("a", _prompt(0, 10)), 0.0)
+    engine.add(_req("a", span(0, 10)), 0.0)
     with pytest.raises(ValueError, match="already"):
-        engine.add(_req("a", _prompt(0, 10)), 0.0)
+        engine.add(_req("a", span(0, 10)), 0.0)
     with pytest.raises(ValueError, match="KV blocks"):
-        engine.add(_req("big", _prompt(0, 60), out=10), 0.0)
+        engine.add(_req("big", span(0, 60), out=10), 0.0)
     with pytest.raises(ValueError, match="block_hashes"):
-        engine.add(_req("bad", _prompt(0, 40), block_hashes=[1]), 0.0)
+        engine.add(_req("bad", span(0, 40), block_hashes=[1]), 0.0)
     with pytest.raises(ValueError, match="empty"):
         _req("empty", [])
 
@@ -485,7 +417,7 @@ def test_add_validates(cost: CostModel) -> None:
 def test_plan_must_be_finished_before_the_next(cost: CostModel) -> None:
     engine = SimEngine(cost)
     assert engine.plan_step(0.0) is None
-    engine.add(_req("a", _prompt(0, 10)), 0.0)
+    engine.add(_req("a", span(0, 10)), 0.0)
     plan = engine.plan_step(0.0)
     assert plan is not None
     with pytest.raises(RuntimeError):
@@ -503,11 +435,10 @@ class _EvictFirstRunning(FcfsPolicy):
 
 
 def test_policy_preemption_still_admits_in_the_same_step(cost: CostModel) -> None:
-    engine = SimEngine(cost, _EvictFirstRunning(), SimEngineConfig(max_num_seqs=1))
-    d = Driver(engine)
-    engine.add(_req("old", _prompt(0, 100), out=20), 0.0)
+    engine, d = _driven(cost, max_num_seqs=1, policy=_EvictFirstRunning())
+    engine.add(_req("old", span(0, 100), out=20), 0.0)
     d.step()
-    engine.add(_req("new", _prompt(1000, 100), out=1), d.now)
+    engine.add(_req("new", span(1000, 100), out=1), d.now)
     plan = d.step()
     assert plan is not None and plan.preempted == ["old"]
     assert [r.request_id for r in plan.requests] == ["new"]
@@ -517,13 +448,12 @@ def test_policy_preemption_still_admits_in_the_same_step(cost: CostModel) -> Non
 
 
 def test_prefix_fair_policy_drives_the_engine(cost: CostModel) -> None:
-    engine = SimEngine(cost, PrefixFairPolicy(), SimEngineConfig(max_num_seqs=1))
-    d = Driver(engine)
-    shared = _prompt(0, 960)
-    engine.add(_req("seed", shared + _prompt(50_000, 40), out=1), 0.0)
+    engine, d = _driven(cost, max_num_seqs=1, policy=PrefixFairPolicy())
+    shared = span(0, 960)
+    engine.add(_req("seed", shared + span(50_000, 40), out=1), 0.0)
     d.run()
-    engine.add(_req("cold", _prompt(90_000, 1000), out=1), d.now)
-    engine.add(_req("hot", shared + _prompt(60_000, 40), out=1), d.now)
+    engine.add(_req("cold", span(90_000, 1000), out=1), d.now)
+    engine.add(_req("hot", shared + span(60_000, 40), out=1), d.now)
     d.run()
     # The mostly cached request is admitted first although it arrived second.
     hot, cold = d.outputs["hot"][0].request, d.outputs["cold"][0].request
@@ -537,7 +467,7 @@ def test_finished_only_outputs_change_nothing_but_the_outputs(cost: CostModel) -
     for finished_only in (False, True):
         engine = SimEngine(cost, config=SimEngineConfig(max_num_seqs=4))
         for i in range(6):
-            engine.add(_req(f"r{i}", _prompt(0, 40) + _prompt(1000 * i, 200), out=5 + i), 0.0)
+            engine.add(_req(f"r{i}", span(0, 40) + span(1000 * i, 200), out=5 + i), 0.0)
         now, outs, durations, events = 0.0, [], [], []
         while (plan := engine.plan_step(now)) is not None:
             now += plan.duration

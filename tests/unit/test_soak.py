@@ -4,8 +4,6 @@ import pytest
 
 from prefixmesh.loadgen.soak import capacity, growth, metric_sum, warmup_end
 
-pytestmark = pytest.mark.unit
-
 
 def row(rate, p99, failed=0):
     return {"rate": rate, "latency_p99_s": p99, "failed": failed}

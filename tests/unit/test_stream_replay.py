@@ -1,11 +1,8 @@
 """A worker's stream journal: what a ResumeRequest resends (services/worker/replay.py)."""
 
-import pytest
 
 from prefixmesh.services.worker.replay import FinishedJournals, StreamJournal
-from prefixmesh.shared.wire import GenerateChunkEvent, GenerateDoneEvent, TokenLogprob
-
-pytestmark = pytest.mark.unit
+from prefixmesh.shared.wire import GenerateChunkEvent, RequestDoneEvent, TokenLogprob
 
 
 def chunk(index, tokens, text, cached=0, logprobs=()):
@@ -36,7 +33,7 @@ def test_replay_inside_a_chunk_starts_at_its_boundary():
 def test_replay_of_a_complete_stream_is_the_done_event_alone():
     j = journal()
     assert j.replay("r", 4) == []  # running, nothing missing
-    done = GenerateDoneEvent(request_id="r", worker_id="w", finish_reason="stop",
+    done = RequestDoneEvent(request_id="r", worker_id="w", finish_reason="stop",
                              completion_tokens=4)
     j.record(done)
     assert j.replay("r", 4) == [done]

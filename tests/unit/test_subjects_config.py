@@ -5,10 +5,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from prefixmesh.shared.runtime.config import CommonConfig, add_arguments, from_sources, option
+from prefixmesh.shared.runtime.config import (
+    CommonConfig,
+    add_arguments,
+    from_sources,
+    option,
+)
 from prefixmesh.shared.subjects import Subjects
-
-pytestmark = pytest.mark.unit
 
 
 def test_every_subject_starts_with_the_prefix() -> None:

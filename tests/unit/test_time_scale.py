@@ -12,8 +12,6 @@ from prefixmesh.services.worker.engine.sim import SimEngine
 from prefixmesh.services.worker.engine.types import EngineRequest
 from prefixmesh.shared.costmodel import CostModel
 
-pytestmark = pytest.mark.unit
-
 
 class FakeWall:
     """A wall clock the test moves by hand (seconds)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixmesh.services.tokenizer.logic import handle
 from prefixmesh.shared.text import gguf_vocab, prepare
 from prefixmesh.shared.text.gguf_vocab import (
     BUILDER_VERSION,
@@ -18,7 +19,6 @@ from prefixmesh.shared.text.gguf_vocab import (
     find_smollm2_gguf,
     is_cache_fresh,
 )
-from prefixmesh.services.tokenizer.logic import handle
 from prefixmesh.shared.text.tokenizer import (
     REPLACEMENT_CHAR,
     SMOLLM2_CHAT_TEMPLATE,
@@ -33,8 +33,6 @@ from prefixmesh.shared.wire import (
     TokenizeReply,
     TokenizeRequest,
 )
-
-pytestmark = pytest.mark.unit
 
 # SmolLM2's fixed ids: the 17 special tokens come first in its vocabulary.
 ENDOFTEXT, IM_START, IM_END = 0, 1, 2
@@ -68,21 +66,8 @@ ROUND_TRIP = [
 MULTIBYTE = "Grüße aus Köln 🌍🎉 — 東京で会いましょう 👩‍💻 𝔘𝔫𝔦𝔠𝔬𝔡𝔢!"
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache root holding the default tokenizer, built once per session (~5 s)."""
-    root = tmp_path_factory.mktemp("tokcache")
-    ensure_default_tokenizer(root)
-    return root
-
-
-@pytest.fixture(scope="session")
-def tok(cache_dir: Path) -> TextTokenizer:
-    return TextTokenizer.load(cache_dir=cache_dir)
-
-
-def _default_json(cache_dir: Path) -> Path:
-    return cache_dir / gguf_vocab.SMOLLM2_CACHE_SUBDIR / TOKENIZER_FILE
+def _default_json(tokenizer_dir: Path) -> Path:
+    return tokenizer_dir / gguf_vocab.SMOLLM2_CACHE_SUBDIR / TOKENIZER_FILE
 
 
 # --------------------------------------------------------------------------- building and cache
@@ -102,8 +87,8 @@ def test_find_smollm2_gguf_names_the_package_when_missing(
         find_smollm2_gguf()
 
 
-def test_built_files_match_smollm2_tokenizer_json(cache_dir: Path) -> None:
-    built = json.loads(_default_json(cache_dir).read_text(encoding="utf-8"))
+def test_built_files_match_smollm2_tokenizer_json(tokenizer_dir: Path) -> None:
+    built = json.loads(_default_json(tokenizer_dir).read_text(encoding="utf-8"))
     assert built["pre_tokenizer"]["type"] == "Sequence"
     digits, byte_level = built["pre_tokenizer"]["pretokenizers"]
     assert digits == {"type": "Digits", "individual_digits": True}
@@ -117,7 +102,7 @@ def test_built_files_match_smollm2_tokenizer_json(cache_dir: Path) -> None:
     assert len(added) == 17
     assert added["<|im_start|>"]["id"] == IM_START and added["<|im_start|>"]["special"]
 
-    config = json.loads((_default_json(cache_dir).parent / CONFIG_FILE).read_text())
+    config = json.loads((_default_json(tokenizer_dir).parent / CONFIG_FILE).read_text())
     assert config["bos_token"] == "<|im_start|>"
     assert config["eos_token"] == "<|im_end|>"
     assert config["add_bos_token"] is False
@@ -126,17 +111,17 @@ def test_built_files_match_smollm2_tokenizer_json(cache_dir: Path) -> None:
 
 
 def test_fresh_cache_is_reused_without_the_gguf(
-    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def no_gguf() -> Path:
         raise AssertionError("a fresh cache must not be rebuilt")
 
     monkeypatch.setattr(gguf_vocab, "find_smollm2_gguf", no_gguf)
-    assert ensure_default_tokenizer(cache_dir) == _default_json(cache_dir)
+    assert ensure_default_tokenizer(tokenizer_dir) == _default_json(tokenizer_dir)
 
 
-def test_cache_from_another_builder_version_is_stale(cache_dir: Path, tmp_path: Path) -> None:
-    src = _default_json(cache_dir).parent
+def test_cache_from_another_builder_version_is_stale(tokenizer_dir: Path, tmp_path: Path) -> None:
+    src = _default_json(tokenizer_dir).parent
     for name in (TOKENIZER_FILE, CONFIG_FILE):
         shutil.copy(src / name, tmp_path / name)
     assert is_cache_fresh(tmp_path / TOKENIZER_FILE)
@@ -149,10 +134,10 @@ def test_cache_from_another_builder_version_is_stale(cache_dir: Path, tmp_path: 
 
 
 def test_prepare_prints_the_cached_path(
-    cache_dir: Path, capsys: pytest.CaptureFixture[str]
+    tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert prepare.main(["--out", str(cache_dir)]) == 0
-    assert capsys.readouterr().out.strip() == str(_default_json(cache_dir))
+    assert prepare.main(["--out", str(tokenizer_dir)]) == 0
+    assert capsys.readouterr().out.strip() == str(_default_json(tokenizer_dir))
 
 
 def test_prepare_reports_a_missing_gguf(
@@ -253,8 +238,8 @@ def test_chat_with_a_system_message_and_no_generation_prompt(tok: TextTokenizer)
     )
 
 
-def test_no_default_system_prompt_without_a_template(cache_dir: Path, tmp_path: Path) -> None:
-    shutil.copy(_default_json(cache_dir), tmp_path / TOKENIZER_FILE)
+def test_no_default_system_prompt_without_a_template(tokenizer_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(_default_json(tokenizer_dir), tmp_path / TOKENIZER_FILE)
     bare = TextTokenizer.load(tmp_path)  # a folder holding only tokenizer.json
     assert bare.eos_token_id is None and bare.default_system_prompt is None
     assert bare.apply_chat_template([ChatMessage(role="user", content="Hi")]) == (

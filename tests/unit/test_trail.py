@@ -16,8 +16,6 @@ from prefixmesh.shared.trail.lengths import (
     transition_matrix,
 )
 
-pytestmark = pytest.mark.unit
-
 TWO = LengthBins((0.0, 10.0, 20.0))  # widths 10, 10; centres 5, 15
 
 

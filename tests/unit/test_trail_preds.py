@@ -10,12 +10,15 @@ import pytest
 
 import prefixmesh.loadgen.workloads.sharegpt as sharegpt
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
-from prefixmesh.loadgen.trail_preds import Refiner, RequestPredictions, TrailPredictions, trail_requests
+from prefixmesh.loadgen.trail_preds import (
+    Refiner,
+    RequestPredictions,
+    TrailPredictions,
+    trail_requests,
+)
 from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.worker.engine.sim import SimEngine
 from prefixmesh.services.worker.engine.types import EngineRequest
-
-pytestmark = pytest.mark.unit
 
 # Readings every 8 steps; remaining tokens as the probe + update said at each.
 P = RequestPredictions(initial=40.0, steps=(0, 8, 16), remaining=(30.0, 20.0, 6.0))

@@ -27,8 +27,6 @@ from prefixmesh.services.worker.engine.vllm_events import (
 from prefixmesh.shared.blocks import block_hashes, tenant_salt
 from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
-pytestmark = pytest.mark.unit
-
 ENC = msgspec.msgpack.Encoder()
 
 
@@ -69,24 +67,27 @@ class V11Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, ta
     pass
 
 
-class V11Stored(V11Event, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
+# The fields of BlockStored and BlockRemoved from v0.11 on (the map encoding below has the
+# same ones): ExternalBlockHash hashes, medium, and fields appended by later releases.
+STORED_FIELDS = [
+    ("block_hashes", list[bytes | int]),
+    ("parent_block_hash", bytes | int | None),
+    ("token_ids", list[int]),
+    ("block_size", int),
+    ("lora_id", int | None),
+    ("medium", str | None),
+    ("lora_name", str | None),
+    ("extra_keys", list[tuple[Any, ...] | None] | None, None),
+    ("group_idx", int | None, None),
     # A field from a release newer than the decoder knows.
-    kv_cache_spec_kind: str | None = None
+    ("kv_cache_spec_kind", str | None, None),
+]
+REMOVED_FIELDS = [("block_hashes", list[bytes | int]), ("medium", str | None),
+                  ("group_idx", int | None, None)]
 
-
-class V11Removed(V11Event, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
+V11Stored = msgspec.defstruct("V11Stored", STORED_FIELDS, bases=(V11Event,), tag="BlockStored")
+V11Removed = msgspec.defstruct("V11Removed", REMOVED_FIELDS, bases=(V11Event,),
+                               tag="BlockRemoved")
 
 
 # ---- after #42892: events are maps tagged under "type"; batch a map (main) or array (0.26)
@@ -100,23 +101,9 @@ class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class MapStored(MapEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-
-
-class MapRemoved(MapEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
+MapStored = msgspec.defstruct("MapStored", STORED_FIELDS, bases=(MapEvent,), tag="BlockStored")
+MapRemoved = msgspec.defstruct("MapRemoved", REMOVED_FIELDS, bases=(MapEvent,),
+                               tag="BlockRemoved")
 
 
 class MapCleared(MapEvent, tag="AllBlocksCleared"):

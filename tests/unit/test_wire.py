@@ -5,21 +5,35 @@ import pytest
 
 from prefixmesh.shared import wire as m
 
-pytestmark = pytest.mark.unit
-
 
 def test_worker_union_round_trip_picks_the_right_type() -> None:
-    gen = m.GenerateRequest(request_id="r1", token_ids=[1, 2, 3],
-                            sampling=m.SamplingParams(max_tokens=5, ignore_eos=True),
-                            reply_to="pm.stream.e.r1")
+    gen = m.TokenizedRequest(request_id="r1", token_ids=[1, 2, 3],
+                             sampling=m.SamplingParams(max_tokens=5, ignore_eos=True),
+                             reply_to="pm.stream.e.r1")
     abort = m.AbortRequest(request_id="r1")
     assert m.WORKER_REQUEST.decode(m.encode(gen)) == gen
     assert m.WORKER_REQUEST.decode(m.encode(abort)) == abort
 
 
+def test_one_tokenized_request_is_routed_and_submitted() -> None:
+    """The scheduler's decoder and the worker's read the same message."""
+    req = m.TokenizedRequest(request_id="r1", token_ids=list(range(40)),
+                             sampling=m.SamplingParams(max_tokens=5), block_hashes=[9, 8],
+                             tenant="t", exclude=["w1"])
+    blob = m.encode(req)
+    assert m.ROUTE_REQUEST.decode(blob) == req == m.WORKER_REQUEST.decode(blob)
+
+
+def test_one_done_event_for_the_stream_and_the_done_subject() -> None:
+    done = m.RequestDoneEvent(request_id="r", worker_id="w0", prompt_tokens=40,
+                              completion_tokens=5, cached_tokens=32, tenant="t")
+    blob = m.encode(done)
+    assert m.STREAM_EVENT.decode(blob) == done == m.BUS_EVENT.decode(blob)
+
+
 def test_stream_union_distinguishes_chunk_and_done() -> None:
     chunk = m.GenerateChunkEvent(request_id="r", token_ids=[7], text="hi")
-    done = m.GenerateDoneEvent(request_id="r", worker_id="w0", cached_tokens=32)
+    done = m.RequestDoneEvent(request_id="r", worker_id="w0", cached_tokens=32)
     assert isinstance(m.STREAM_EVENT.decode(m.encode(chunk)), m.GenerateChunkEvent)
     assert m.STREAM_EVENT.decode(m.encode(done)).cached_tokens == 32
 
@@ -38,7 +52,7 @@ def test_kv_events_follow_vllm_schema_and_nest_in_batches() -> None:
 
 
 def test_message_on_wrong_subject_is_rejected() -> None:
-    route = m.RouteRequest(request_id="r", block_hashes=[], prompt_tokens=1, max_tokens=1)
+    route = m.RouteReply(request_id="r", worker_id="w0")
     with pytest.raises(msgspec.ValidationError):
         m.WORKER_REQUEST.decode(m.encode(route))
 

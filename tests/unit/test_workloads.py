@@ -25,8 +25,6 @@ from prefixmesh.loadgen.workloads.registry import mix_counts
 from prefixmesh.loadgen.workloads.sources import loogle_documents, nextqa_data
 from prefixmesh.loadgen.workloads.videoqa import video_tokens
 
-pytestmark = pytest.mark.unit
-
 ALL = ("toolbench", "embodied", "programming", "videoqa", "loogle", "sharegpt", "postrec",
        "creditver", "batch")
 

@@ -28,6 +28,7 @@ _FACTORIES: dict[str, Callable[[PolicyConfig, CostModel], GlobalPolicy]] = {
 
 # Every policy name ``make_policy`` accepts, E2 first.
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+DEFAULT_POLICY = "e2"
 
 
 def make_policy(name: str, config: PolicyConfig, cost: CostModel) -> GlobalPolicy:

@@ -13,8 +13,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
-from prefixmesh.services.scheduler.prefix_tree import Node
 
 
 class NoWorkerError(RuntimeError):
@@ -40,7 +40,8 @@ class Decision(msgspec.Struct, frozen=True):
     """The chosen worker and why (a Struct: built on every decision, so it must be cheap)."""
 
     worker_id: str
-    # "exploit" | "explore" | "affinity" | "pd_balance" | "rebalance" | "replicate" | a baseline's name.
+    # "exploit" | "explore" | "affinity" | "pd_balance" | "rebalance" | "replicate", or a
+    # baseline's name.
     kind: str
     # Prompt tokens the policy believes are cached on the chosen worker.
     matched_tokens: int = 0
@@ -48,7 +49,8 @@ class Decision(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Every knob of every global policy, with units. Defaults follow docs/design.md section 5 and the
+    """Every knob of every global policy, with units. Defaults follow docs/design.md
+    section 5 and the
     projects the baselines come from."""
 
     # ---------------------------------------------------------------- E2 (Preble)
@@ -79,9 +81,7 @@ class PolicyConfig:
     # worker's mean engine step in its latest load report, s). L prices decode as the
     # marginal cost of one sequence in a batch, so a worker busy with long generations
     # looks cheap although every token of R would wait one of its long steps. Off (0) by
-    # default: in the simulator (docs/sim-results.md) 1.0 cut programming's average 7% at
-    # 8 req/s but not its p99, and raised embodied's p99 13% at 80 req/s (the step time
-    # in a 0.25 s report is too noisy to steer short requests by).
+    # default: the step time in a 0.25 s report is too noisy to steer short requests by.
     decode_step_weight: float = 0.0
     # In-flight aging: a request still running after producing (by the worker's reported
     # step time) more tokens than L charged it is recharged at this multiple of what it
@@ -182,54 +182,34 @@ class Changes(NamedTuple):
     log: list
 
 
-@runtime_checkable
-class GlobalPolicy(Protocol):
-    """What the scheduler service and the cluster simulator drive."""
+@dataclass(slots=True)
+class PolicySummary:
+    """What the scheduler reports of a policy beyond its decisions (``sched.stats``)."""
 
-    def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None:
-        """Register a worker (idempotent: a known worker only gets its capacity updated)."""
-        ...
+    # The policy's prefix tree (None: it keeps none): size and hot prefixes.
+    tree: PrefixTree | None = None
+    # Hot-prefix replicas added / dropped since the policy started (E2).
+    replicas_added: int = 0
+    replicas_dropped: int = 0
 
-    def remove_worker(self, worker_id: str, now: float) -> None:
-        """Drop a worker from routing and from the cache model."""
-        ...
 
-    @property
-    def workers(self) -> Collection[str]:
-        """Registered worker ids."""
-        ...
+class PolicyState(Protocol):
+    """A policy's persistence (the scheduler service's write-behind to Redis), apart from
+    its routing.
 
-    def route(self, req: RouteInput, now: float) -> Decision:
-        """Choose a worker; raises ``NoWorkerError`` when none is eligible."""
-        ...
-
-    def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
-        """Apply a worker's KV cache events (vLLM schema)."""
-        ...
-
-    def on_load(self, report: LoadReportEvent, now: float) -> None:
-        """Take a worker's periodic load report."""
-        ...
-
-    def on_done(self, done: RequestDoneEvent, now: float) -> None:
-        """Take a request's completion record."""
-        ...
-
-    def tick(self, now: float) -> None:
-        """Background maintenance; cheap, and never needed for ``route`` to be correct."""
-        ...
+    Two forms: ``snapshot``/``restore`` move the whole state at once; the incremental form
+    writes a small meta record whole, tree nodes by id, and an append-only log that
+    expires after ``log_window_s``, with times written ``offset`` added (the writer's
+    epoch).
+    """
 
     def snapshot(self) -> bytes:
-        """State as msgpack bytes (for Redis)."""
+        """State as msgpack bytes (times relative to the policy's last ``now``)."""
         ...
 
     def restore(self, data: bytes) -> None:
-        """Replace the state by a ``snapshot()``."""
+        """Replace the state by a ``snapshot()``; times are rebased on the next call."""
         ...
-
-    # Incremental persistence (the scheduler service's write-behind to Redis): a small meta
-    # record written whole, tree nodes by id, and an append-only log that expires after
-    # ``log_window_s``. Times are written with ``offset`` added (the writer's epoch).
 
     @property
     def log_window_s(self) -> float:
@@ -263,4 +243,54 @@ class GlobalPolicy(Protocol):
     def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
                        offset: float, now: float) -> None:
         """Replace the state by persisted pieces (times + ``offset`` = the caller's clock)."""
+        ...
+
+
+@runtime_checkable
+class GlobalPolicy(Protocol):
+    """What the scheduler service and the cluster simulator drive: routing, fed by the
+    workers' events; its persistence is ``state``."""
+
+    name: str
+
+    @property
+    def workers(self) -> Collection[str]:
+        """Registered worker ids."""
+        ...
+
+    @property
+    def state(self) -> PolicyState:
+        """The policy's persistence."""
+        ...
+
+    def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None:
+        """Register a worker (idempotent: a known worker only gets its capacity updated)."""
+        ...
+
+    def remove_worker(self, worker_id: str, now: float) -> None:
+        """Drop a worker from routing and from the cache model."""
+        ...
+
+    def route(self, req: RouteInput, now: float) -> Decision:
+        """Choose a worker; raises ``NoWorkerError`` when none is eligible."""
+        ...
+
+    def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
+        """Apply a worker's KV cache events (vLLM schema)."""
+        ...
+
+    def on_load(self, report: LoadReportEvent, now: float) -> None:
+        """Take a worker's periodic load report."""
+        ...
+
+    def on_done(self, done: RequestDoneEvent, now: float) -> None:
+        """Take a request's completion record."""
+        ...
+
+    def tick(self, now: float) -> None:
+        """Background maintenance; cheap, and never needed for ``route`` to be correct."""
+        ...
+
+    def summary(self) -> PolicySummary:
+        """Tree and replication figures for the scheduler's statistics."""
         ...

@@ -1,4 +1,4 @@
-"""Baseline global policies for side-by-side comparison (docs/design.md section 5, baseline policies).
+"""Baseline global policies for side-by-side comparison (docs/design.md section 5).
 
 Load-only and affinity-only rules live here; the cache-aware peers (SGLang's
 ``cache_aware``, Dynamo's ``kv_cost``, llm-d's ``weighted``) in ``baselines_cache``.
@@ -9,7 +9,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 
-from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import (
+    Decision,
+    PolicyConfig,
+    RouteInput,
+)
 from prefixmesh.services.scheduler.policies.baselines_cache import (
     CacheAwarePolicy,
     KvCostPolicy,
@@ -78,18 +82,14 @@ class PrefixHashPolicy(BaselinePolicy):
         self._owners: list[str] = []
 
     def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None:
-        """Register a worker and place its virtual nodes on the ring."""
+        """Register a worker and place its virtual nodes on the ring (restoring the state
+        re-adds each worker through here, so a restored ring is rebuilt too)."""
         super().add_worker(worker_id, capacity_tokens, now)
         self._build_ring()
 
     def remove_worker(self, worker_id: str, now: float) -> None:
         """Drop a worker and its ring positions (only its keys move)."""
         super().remove_worker(worker_id, now)
-        self._build_ring()
-
-    def restore(self, data: bytes) -> None:
-        """Restore, then rebuild the ring from the restored workers."""
-        super().restore(data)
         self._build_ring()
 
     def _build_ring(self) -> None:

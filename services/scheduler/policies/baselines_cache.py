@@ -1,4 +1,4 @@
-"""Cache-aware baseline policies, as their projects ship them (docs/design.md section 5, baseline policies).
+"""Cache-aware baseline policies, as their projects ship them (docs/design.md section 5).
 
 - ``cache_aware`` (SGLang router): load guard first, then the longest cached match.
 - ``kv_cost`` (NVIDIA Dynamo KV router): prefill blocks not cached + active blocks, argmin.
@@ -14,11 +14,15 @@ from __future__ import annotations
 import math
 import random
 
-from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
-from prefixmesh.services.scheduler.policies.tracking import GPU_MEDIA, BaselinePolicy
-from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.services.scheduler.policies.base import (
+    Decision,
+    PolicyConfig,
+    RouteInput,
+)
+from prefixmesh.services.scheduler.policies.tracking import BaselinePolicy
 from prefixmesh.services.scheduler.prefix_tree import Node
+from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.wire import KvEvent
 
 # Scores closer than this are ties (broken at random, as the peers do).
 _TIE_EPS = 1e-9
@@ -96,16 +100,7 @@ class KvCostPolicy(_TreeBaseline):
         self.clock(now)
         if not self.cfg.kv_use_events or worker_id not in self._capacity:
             return
-        tree = self.tree
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                if ev.medium in GPU_MEDIA:
-                    tree.store(worker_id, ev.parent_block_hash, ev.block_hashes, now)
-            elif isinstance(ev, BlockRemoved):
-                if ev.medium in GPU_MEDIA:
-                    tree.remove_blocks(worker_id, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                tree.clear_worker(worker_id)
+        self.tree.apply_events(worker_id, events, now)
 
     def route(self, req: RouteInput, now: float) -> Decision:
         """Argmin of the Dynamo cost over eligible workers."""

@@ -27,27 +27,23 @@ from operator import attrgetter
 
 from prefixmesh.services.scheduler.policies import e2_state
 from prefixmesh.services.scheduler.policies.base import (
-    Changes,
     Decision,
     NoWorkerError,
     PolicyConfig,
+    PolicySummary,
     RouteInput,
 )
 from prefixmesh.services.scheduler.policies.costs import CostTables
 from prefixmesh.services.scheduler.policies.e2_cost import LoadCost
 from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, WorkerState
 from prefixmesh.services.scheduler.policies.e2_replicate import Replicator
-from prefixmesh.services.scheduler.policies.tracking import GPU_MEDIA
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     KvEvent,
     LoadReportEvent,
     RequestDoneEvent,
 )
-from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 
 _LOAD = attrgetter("L")
 
@@ -70,6 +66,7 @@ class E2Policy:
         self._rot = 0
         self._now = 0.0
         self._rebase = False
+        self.state = e2_state.E2Persistence(self._parts, self._restored)
         self.price = LoadCost(self.tree, self.tables)
         self.price.backlog_weight = config.prefill_backlog_weight
         self.price.interference = config.interference_weight
@@ -295,9 +292,10 @@ class E2Policy:
         """The worker that recently served R's prefix, if it is nearly as cheap as ``best``.
 
         The prefix is the deepest matched node with window counts whose matched path
-        (``m`` blocks in ``node``, then ancestors) covers at least half the prompt (were it cached, R would be an exploit); its home is the
-        cheapest worker with requests through it in the window. None: no such node or
-        worker, ``best`` is already one of them, or the home costs more than ``best_cost``
+        (``m`` blocks in ``node``, then ancestors) covers at least half the prompt (were it
+        cached, R would be an exploit); its home is the cheapest worker with requests
+        through it in the window. None: no such node or worker, ``best`` is already one of
+        them, or the home costs more than ``best_cost``
         + ``affinity_prefill_slack`` x PT(the prefix) (saturated cluster: or more than
         ``affinity_saturated_ratio`` x ``best_cost``) while it is busy (``L`` above
         ``rebalance_min_util`` x H; below that nothing queues there, as for rebalancing).
@@ -389,16 +387,7 @@ class E2Policy:
         self._clock(now)
         if worker_id not in self._ws:
             return
-        tree = self.tree
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                if ev.medium in GPU_MEDIA:
-                    tree.store(worker_id, ev.parent_block_hash, ev.block_hashes, now)
-            elif isinstance(ev, BlockRemoved):
-                if ev.medium in GPU_MEDIA:
-                    tree.remove_blocks(worker_id, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                tree.clear_worker(worker_id)
+        self.tree.apply_events(worker_id, events, now)
 
     def on_load(self, report: LoadReportEvent, now: float) -> None:
         """Decode share (prefill/decode balancing) and queueing time (overload signal)."""
@@ -457,7 +446,7 @@ class E2Policy:
 
     def _parts(self) -> e2_state.E2Parts:
         return e2_state.E2Parts(self.tree, self._ws, self._decode_heavy, self.window,
-                                self.replicator, self.cfg.window_s)
+                                self.replicator, self.cfg.window_s, self._now)
 
     def _clock(self, now: float) -> None:
         if self._rebase:
@@ -465,55 +454,17 @@ class E2Policy:
             self._rebase = False
         self._now = now
 
-    def snapshot(self) -> bytes:
-        """Tree, window, workers and replica sets as msgpack (times relative to the last now)."""
-        return e2_state.dump(self._parts(), self._now)
-
-    def restore(self, data: bytes) -> None:
-        """Replace the state by a ``snapshot()``; times are rebased on the next call."""
-        e2_state.load(self._parts(), data)
-        self._rebase = True
-
-    # ------------------------------------------------------------------ incremental persistence
-
-    @property
-    def log_window_s(self) -> float:
-        """How long a window-log segment stays relevant (seconds): H."""
-        return self._window_s
-
-    def track_changes(self) -> None:
-        """Start recording changes for ``take_changes`` (tree nodes, window log)."""
-        self.tree.track_changes()
-        self.window.journal = []
-
-    def take_changes(self) -> Changes:
-        """Changed nodes, pruned node ids and window-log items since the last call (O(1))."""
-        nodes, gone = self.tree.take_changes()
-        return Changes(nodes, gone, self.window.take_journal())
-
-    def all_state(self) -> Changes:
-        """Everything, as changes (a full rewrite); nodes are yielded lazily."""
-        log: list = list(self.window.entries)
-        log.extend(self.window.outputs)
-        return Changes(self.tree.nodes(), [], log)
-
-    def encode_node(self, node: Node, offset: float) -> bytes | None:
-        """One tree node's record (None once pruned)."""
-        return self.tree.node_record(node, offset)
-
-    def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
-        """One window-log segment and its newest time (epoch)."""
-        return e2_state.encode_log(self._parts(), items, offset)
-
-    def encode_meta(self, offset: float) -> bytes:
-        """Workers and replica sets."""
-        return e2_state.encode_meta(self._parts(), offset)
-
-    def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
-                       offset: float, now: float) -> None:
-        """Replace the state by persisted pieces; ``offset`` maps their times onto ``now``'s
-        clock."""
-        e2_state.load_incremental(self._parts(), meta, nodes, segments, offset, now)
+    def _restored(self, now: float | None) -> None:
+        """The state was replaced: its times are rebased on the next call (``now`` None),
+        or they already read on ``now``'s clock."""
+        if now is None:
+            self._rebase = True
+            return
         self._size_tree()
         self._rebase = False
         self._now = now
+
+    def summary(self) -> PolicySummary:
+        """The tree and the replicator's counts."""
+        return PolicySummary(tree=self.tree, replicas_added=self.replicator.grown,
+                             replicas_dropped=self.replicator.shrunk)

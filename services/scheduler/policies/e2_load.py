@@ -14,8 +14,8 @@ from collections import deque
 import msgspec
 
 from prefixmesh.services.scheduler.policies.costs import CostTables
-from prefixmesh.shared.wire import RequestDoneEvent
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
+from prefixmesh.shared.wire import RequestDoneEvent
 
 # Completion records whose output counts towards the windowed average output length.
 _FINISHED = frozenset({"stop", "length"})

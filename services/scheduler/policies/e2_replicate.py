@@ -110,9 +110,9 @@ class Replicator:
         for ws in workers.values():
             if ws.n <= 0 or not overloaded(ws):
                 continue
-            node = self.hot_prefix(ws)
-            if node is not None:
-                self._grow(node, now, workers)
+            hot = self.hot_prefix(ws)
+            if hot is not None:
+                self._grow(hot, now, workers)
         for node, rep in list(self.entries.items()):
             demand = sum(node.counts.values())
             rep.peak = max(rep.peak, demand)

@@ -8,11 +8,17 @@ ones every 250 ms.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
-from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, WindowEntry, WorkerState
+from prefixmesh.services.scheduler.policies.base import Changes
+from prefixmesh.services.scheduler.policies.e2_load import (
+    LoadWindow,
+    WindowEntry,
+    WorkerState,
+)
 from prefixmesh.services.scheduler.policies.e2_replicate import Replica, Replicator
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree, TreeState
 
@@ -32,6 +38,8 @@ class E2Parts:
     replicator: Replicator
     # The load window's length H (seconds): older log entries are dropped on load.
     window_s: float
+    # The policy's last ``now``: snapshot times are stored relative to it.
+    now: float = 0.0
 _NONE = -2  # node reference meaning "no node"
 
 
@@ -79,7 +87,9 @@ def dump(parts: E2Parts, ref: float) -> bytes:
         if node is None:
             return _NONE
         while not node.alive:  # pruned since: its alive ancestor carries the counts
-            node = node.parent  # type: ignore[assignment]
+            parent = node.parent
+            assert parent is not None  # a pruned node was detached from a parent; root lives
+            node = parent
         return ids[node]
 
     state = E2State(
@@ -118,8 +128,7 @@ def load(parts: E2Parts, data: bytes) -> None:
     parts.workers.clear()
     parts.decode_heavy.clear()
     for rec in state.workers:
-        ws = WorkerState(rec.id, rec.capacity_blocks)
-        parts.workers[rec.id] = ws
+        parts.workers[rec.id] = WorkerState(rec.id, rec.capacity_blocks)
         tree.add_worker(rec.id)
     window = parts.window
     window.light = None
@@ -161,7 +170,7 @@ def rebase(parts: E2Parts, now: float) -> None:
 
 
 # --------------------------------------------------------------------------- incremental
-# The scheduler service persists E2 a piece at a time (``prefixmesh.services.scheduler.store``): tree
+# The scheduler service persists E2 a piece at a time (``scheduler/store.py``): tree
 # nodes by id (``PrefixTree.node_record``), the window as an append-only log of segments
 # (new entries, corrected entries, completions), and a small meta record (workers, replica
 # sets). Times are in the writer's epoch (``offset`` added: wall-clock seconds), so a
@@ -297,3 +306,60 @@ def load_incremental(
             r.pending = list(rr.pending)
             r.added = list(rr.added)
             rep.entries[node] = r
+
+
+class E2Persistence:
+    """E2's ``PolicyState``: its tree, window, workers and replica sets in Redis, in the
+    forms above. It sees the policy only through ``parts`` (what persists) and
+    ``restored`` (told when the state was replaced, with the clock its times read on, or
+    None: rebase them on the next call)."""
+
+    def __init__(self, parts: Callable[[], E2Parts],
+                 restored: Callable[[float | None], None]) -> None:
+        self.parts = parts
+        self.restored = restored
+
+    def snapshot(self) -> bytes:
+        p = self.parts()
+        return dump(p, p.now)
+
+    def restore(self, data: bytes) -> None:
+        load(self.parts(), data)
+        self.restored(None)
+
+    @property
+    def log_window_s(self) -> float:
+        """How long a window-log segment stays relevant (seconds): H."""
+        return self.parts().window_s
+
+    def track_changes(self) -> None:
+        p = self.parts()
+        p.tree.track_changes()
+        p.window.journal = []
+
+    def take_changes(self) -> Changes:
+        """Changed nodes, pruned node ids and window-log items since the last call (O(1))."""
+        p = self.parts()
+        nodes, gone = p.tree.take_changes()
+        return Changes(nodes, gone, p.window.take_journal())
+
+    def all_state(self) -> Changes:
+        """Everything, as changes (a full rewrite); nodes are yielded lazily."""
+        p = self.parts()
+        log: list = list(p.window.entries)
+        log.extend(p.window.outputs)
+        return Changes(p.tree.nodes(), [], log)
+
+    def encode_node(self, node: Node, offset: float) -> bytes | None:
+        return self.parts().tree.node_record(node, offset)
+
+    def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
+        return encode_log(self.parts(), items, offset)
+
+    def encode_meta(self, offset: float) -> bytes:
+        return encode_meta(self.parts(), offset)
+
+    def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
+                       offset: float, now: float) -> None:
+        load_incremental(self.parts(), meta, nodes, segments, offset, now)
+        self.restored(now)

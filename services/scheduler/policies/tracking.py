@@ -12,15 +12,18 @@ from dataclasses import dataclass
 
 import msgspec
 
-from prefixmesh.services.scheduler.policies.base import Changes, NoWorkerError, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import (
+    Changes,
+    NoWorkerError,
+    PolicyConfig,
+    PolicySummary,
+    RouteInput,
+)
+from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree, TreeState
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
-from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree, TreeState
 
 VERSION = 1
-# KV events about these media concern the GPU prefix cache routers care about (vLLM marks
-# blocks offloaded to CPU memory with another medium).
-GPU_MEDIA = frozenset({None, "GPU", "gpu", "cuda"})
 
 
 @dataclass(slots=True)
@@ -134,10 +137,15 @@ class BaselinePolicy:
         self._capacity: dict[str, int] = {}  # worker -> KV capacity (tokens), in add order
         self.out = Outstanding(config.outstanding_ttl_s)
         self.reports: dict[str, LoadReportEvent] = {}
-        self.tree = PrefixTree(config.tree_max_nodes, config.tree_max_tokens, cost.block_size)
+        self.tree = self.new_tree()
         self.counter = 0
         self._now = 0.0
         self._rebase = False
+        self.state = BaselinePersistence(self)
+
+    def new_tree(self) -> PrefixTree:
+        """An empty prefix tree within the configured bounds."""
+        return PrefixTree(self.cfg.tree_max_nodes, self.cfg.tree_max_tokens, self.block)
 
     @property
     def workers(self) -> Collection[str]:
@@ -204,45 +212,55 @@ class BaselinePolicy:
         self.out.expire(now)
         self.tree.maintain()
 
+    def summary(self) -> PolicySummary:
+        """The tree (for the scheduler's statistics), when the baseline keeps one."""
+        return PolicySummary(tree=self.tree if self.uses_tree else None)
+
+
+class BaselinePersistence:
+    """A baseline's state in Redis (the scheduler's ``store.py``): workers, outstanding
+    requests, the counter and the tree; kept apart from routing, which never waits on it."""
+
+    def __init__(self, policy: BaselinePolicy) -> None:
+        self.policy = policy
+
     def snapshot(self) -> bytes:
         """Workers, outstanding requests, counter and tree as msgpack."""
-        ref = self._now
+        ref = self.policy._now
         state = BaselineState(
             version=VERSION,
-            policy=self.name,
-            workers=dict(self._capacity),
+            policy=self.policy.name,
+            workers=dict(self.policy._capacity),
             outstanding=[
                 _OutRec(rid, r.worker, r.tokens, r.blocks, r.t - ref)
-                for rid, r in self.out.reqs.items()
+                for rid, r in self.policy.out.reqs.items()
             ],
-            counter=self.counter,
-            tree=self.tree.dump_state(ref)[0] if self.uses_tree else None,
+            counter=self.policy.counter,
+            tree=self.policy.tree.dump_state(ref)[0] if self.policy.uses_tree else None,
         )
         return _ENCODER.encode(state)
 
     def restore(self, data: bytes) -> None:
         """Replace the state by a ``snapshot()``; times are rebased on the next call."""
         state = _DECODER.decode(data)
-        if state.version != VERSION or state.policy != self.name:
+        if state.version != VERSION or state.policy != self.policy.name:
             raise ValueError(
-                f"snapshot of {state.policy!r} v{state.version} given to {self.name!r}"
+                f"snapshot of {state.policy!r} v{state.version} given to {self.policy.name!r}"
             )
-        self._capacity = {}
-        self.out = Outstanding(self.cfg.outstanding_ttl_s)
-        self.reports = {}
-        self.tree = PrefixTree(self.cfg.tree_max_nodes, self.cfg.tree_max_tokens, self.block)
+        self.policy._capacity = {}
+        self.policy.out = Outstanding(self.policy.cfg.outstanding_ttl_s)
+        self.policy.reports = {}
+        self.policy.tree = self.policy.new_tree()
         if state.tree is not None:
-            self.tree.load_state(state.tree, 0.0)
-        self._rebase = False
+            self.policy.tree.load_state(state.tree, 0.0)
+        self.policy._rebase = False
         for w, cap in state.workers.items():
-            self.add_worker(w, cap, 0.0)
+            self.policy.add_worker(w, cap, 0.0)
         for r in state.outstanding:
-            self.out.add(r.rid, r.worker, r.tokens, r.blocks, r.t)
-        self.counter = state.counter
+            self.policy.out.add(r.rid, r.worker, r.tokens, r.blocks, r.t)
+        self.policy.counter = state.counter
         # Stored times are relative to the snapshot's last ``now``.
-        self._rebase = True
-
-    # ------------------------------------------------------------------ incremental persistence
+        self.policy._rebase = True
 
     @property
     def log_window_s(self) -> float:
@@ -251,20 +269,20 @@ class BaselinePolicy:
 
     def track_changes(self) -> None:
         """Start recording tree changes for ``take_changes``."""
-        self.tree.track_changes()
+        self.policy.tree.track_changes()
 
     def take_changes(self) -> Changes:
         """Changed and pruned tree nodes since the last call (O(1))."""
-        nodes, gone = self.tree.take_changes()
+        nodes, gone = self.policy.tree.take_changes()
         return Changes(nodes, gone, [])
 
     def all_state(self) -> Changes:
         """The whole tree, as changes."""
-        return Changes(self.tree.nodes(), [], [])
+        return Changes(self.policy.tree.nodes(), [], [])
 
     def encode_node(self, node: Node, offset: float) -> bytes | None:
         """One tree node's record (None once pruned)."""
-        return self.tree.node_record(node, offset)
+        return self.policy.tree.node_record(node, offset)
 
     def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
         """Never called: baselines have no log."""
@@ -274,29 +292,29 @@ class BaselinePolicy:
         """Workers, outstanding requests and the counter."""
         return _ENCODER.encode(BaselineMeta(
             version=VERSION,
-            policy=self.name,
-            workers=dict(self._capacity),
+            policy=self.policy.name,
+            workers=dict(self.policy._capacity),
             outstanding=[_OutRec(rid, r.worker, r.tokens, r.blocks, r.t + offset)
-                         for rid, r in self.out.reqs.items()],
-            counter=self.counter,
-            next_nid=self.tree.next_nid,
+                         for rid, r in self.policy.out.reqs.items()],
+            counter=self.policy.counter,
+            next_nid=self.policy.tree.next_nid,
         ))
 
     def load_persisted(self, meta: bytes, nodes: list[bytes], segments: list[bytes],
                        offset: float, now: float) -> None:
         """Replace the state by persisted pieces (times + ``offset`` = the caller's clock)."""
         m = _META_DECODER.decode(meta)
-        if m.version != VERSION or m.policy != self.name:
-            raise ValueError(f"state of {m.policy!r} v{m.version} given to {self.name!r}")
-        self._capacity = {}
-        self.out = Outstanding(self.cfg.outstanding_ttl_s)
-        self.reports = {}
-        self.tree = PrefixTree(self.cfg.tree_max_nodes, self.cfg.tree_max_tokens, self.block)
-        self.tree.load_records(nodes, offset, m.next_nid)
-        self._rebase = False
+        if m.version != VERSION or m.policy != self.policy.name:
+            raise ValueError(f"state of {m.policy!r} v{m.version} given to {self.policy.name!r}")
+        self.policy._capacity = {}
+        self.policy.out = Outstanding(self.policy.cfg.outstanding_ttl_s)
+        self.policy.reports = {}
+        self.policy.tree = self.policy.new_tree()
+        self.policy.tree.load_records(nodes, offset, m.next_nid)
+        self.policy._rebase = False
         for w, cap in m.workers.items():
-            self.add_worker(w, cap, now)
+            self.policy.add_worker(w, cap, now)
         for r in m.outstanding:
-            self.out.add(r.rid, r.worker, r.tokens, r.blocks, r.t + offset)
-        self.counter = m.counter
-        self._now = now
+            self.policy.out.add(r.rid, r.worker, r.tokens, r.blocks, r.t + offset)
+        self.policy.counter = m.counter
+        self.policy._now = now

@@ -1,6 +1,6 @@
 """The one interface every engine backend implements (``sim``, ``hf``, ``vllm``).
 
-The worker service is a bus shell around an ``Engine``: it turns GenerateRequests into
+The worker service is a bus shell around an ``Engine``: it turns TokenizedRequests into
 ``EngineRequest``s, hands them to ``add``, and relays what ``run`` emits. Everything that
 differs between backends (the clock, who detokenizes, how a step is run, what a cache
 flush means) lives behind this protocol, so a new backend is one new module plus a line
@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from prefixmesh.services.worker.engine.types import EngineRequest, EngineStats, StepOutput
+from prefixmesh.services.worker.engine.types import (
+    EngineRequest,
+    EngineStats,
+    StepOutput,
+)
 from prefixmesh.services.worker.local.base import EngineView
 from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.wire import KvEvent, SamplingParams, TokenLogprob

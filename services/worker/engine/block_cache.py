@@ -169,6 +169,7 @@ class BlockCache:
         for _ in range(n):
             b, _ = popitem(last=False)
             h = hashes[b]
+            assert h is not None  # an evictable block is a cached one: it has a hash
             del cached[h]
             hashes[b] = None
             src[b] = ()

@@ -1,4 +1,5 @@
-"""The ``hf`` backend: a real model (SmolLM2-135M-Instruct) on CPU with transformers (docs/design.md section 7).
+"""The ``hf`` backend: a real model (SmolLM2-135M-Instruct) on CPU with transformers
+(docs/design.md section 7).
 
 Requests wait in the local policy; admitted ones run interleaved, one forward pass each in
 turn (a prompt chunk of up to ``prefill_chunk`` tokens, or one decode token), so a long
@@ -32,15 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
-from prefixmesh.services.worker.engine.block_cache import BlockCache
-from prefixmesh.services.worker.engine.kv_pool import KvPool
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
-from prefixmesh.shared.smollm2 import load_model
-from prefixmesh.shared.smollm2 import missing_dependencies as missing_dependencies
+from prefixmesh.services.worker.engine.block_cache import BlockCache
+from prefixmesh.services.worker.engine.kv_pool import KvPool
+from prefixmesh.services.worker.engine.queued import QueuedEngine
 from prefixmesh.services.worker.engine.types import (
-    FINISH_ABORT,
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineRequest,
@@ -50,13 +49,15 @@ from prefixmesh.services.worker.engine.types import (
 )
 from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
 from prefixmesh.services.worker.local.base import LocalPolicy
-from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.costmodel import CostModel
+from prefixmesh.shared.smollm2 import load_model
+from prefixmesh.shared.smollm2 import missing_dependencies as missing_dependencies
+from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
 from prefixmesh.shared.wire import KvEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 
-FINISH_ERROR = "error"
 DEFAULT_STATS_WINDOW_S = 5.0
 # SmolLM2's end tokens besides the tokenizer's eos (<|im_end|> = 2): <|endoftext|> = 0.
 EXTRA_STOP_IDS = (0,)
@@ -81,8 +82,8 @@ class HfEngineConfig:
     # outputs); None = capture nothing.
     hidden_layer: int | None = None
     # torch intra-op threads per worker process (0 = torch's default, one per core). One:
-    # measured on 2 busy cores, a 512-token prefill took 10.0 s with 2 OpenMP threads
-    # (their barriers spin against other processes) and 2.1 s with 1 (docs/predictor.md).
+    # OpenMP's barriers spin against the other processes on a busy machine, which makes
+    # prefill much slower with more threads than free cores (docs/predictor.md).
     threads: int = 1
     stats_window_s: float = DEFAULT_STATS_WINDOW_S
 
@@ -103,15 +104,15 @@ class _Seq:
     aborted: bool = False
 
 
-class HfEngine:
+class HfEngine(QueuedEngine):
     """A transformers causal LM behind the worker's ``Engine`` interface (``base.py``)."""
 
     detokenizes = True
 
     def __init__(self, cfg: HfEngineConfig, policy: LocalPolicy, tok: TextTokenizer,
                  on_hidden: HiddenSink | None = None) -> None:
+        super().__init__(policy)
         self.cfg = cfg
-        self.policy = policy
         self.tok = tok
         self.tokenizer: TextTokenizer | None = tok
         self.on_hidden = on_hidden
@@ -121,11 +122,8 @@ class HfEngine:
         self.model: Any = None
         self.pool: KvPool | None = None
         self._stop_ids = {i for i in (tok.eos_token_id, *EXTRA_STOP_IDS) if i is not None}
-        self._requests: dict[str, EngineRequest] = {}  # waiting or running
-        self._sampling: dict[str, SamplingParams] = {}  # of waiting requests
         self._running: list[_Seq] = []
         self._next = 0  # round-robin cursor into _running
-        self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
         # Per forward pass: (seconds, decode tokens, all tokens).
         self._step_win = SlidingSums(cfg.stats_window_s)
@@ -144,6 +142,11 @@ class HfEngine:
         if self.cfg.hidden_layer is not None and not 0 <= self.cfg.hidden_layer <= n_layers:
             raise ValueError(f"hidden_layer must be in [0, {n_layers}]")
 
+    def _pool(self) -> KvPool:
+        """The KV pool, built by load() before any request runs."""
+        assert self.pool is not None, "load() first"
+        return self.pool
+
     def close(self) -> None:
         """Stop the forward-pass thread (after the engine task is cancelled)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -152,51 +155,21 @@ class HfEngine:
 
     def add(self, req: EngineRequest, now: float, sampling: SamplingParams) -> None:
         """Queue a request in the local policy; raises ValueError on bad parameters."""
-        if req.request_id in self._requests:
-            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        self._check_new(req)
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
             raise ValueError(f"request {req.request_id!r}: bad temperature or top_p")
         if sampling.logprobs is not None or sampling.allowed_token_ids:
             raise ValueError("the hf backend does not support logprobs or allowed_token_ids")
-        if not req.block_hashes:
-            req.block_hashes = block_hashes(req.prompt_token_ids, req.tenant, BLOCK_SIZE)
-        req.arrival = now
-        self._requests[req.request_id] = req
-        self._sampling[req.request_id] = sampling
-        self.policy.push(req, now)
-        self._wake.set()
+        self._queue(req, now, sampling)
 
-    def abort(self, request_id: str, now: float) -> bool:
-        """Drop a waiting or running request, freeing its blocks; False if unknown."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
-        if req.status is RequestStatus.WAITING:
-            self.policy.remove(request_id)
-            self._sampling.pop(request_id, None)
-        else:
-            seq = next(s for s in self._running if s.req is req)
-            seq.aborted = True  # a forward pass in flight finds it so and drops it
-            self._drop(seq)
-        req.status, req.finish_reason, req.finish_time = RequestStatus.ABORTED, FINISH_ABORT, now
-        self._wake.set()
-        return True
-
-    def update_prediction(self, request_id: str, remaining_tokens: float) -> bool:
-        """Pass a refined remaining-length prediction to the local policy (TRAIL)."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        self.policy.update_prediction(req, remaining_tokens)
-        return True
+    def _abort_running(self, req: EngineRequest) -> None:
+        seq = next(s for s in self._running if s.req is req)
+        seq.aborted = True  # a forward pass in flight finds it so and drops it
+        self._drop(seq)
 
     def snapshot_events(self) -> list[KvEvent]:
         """The whole prefix cache as ``[AllBlocksCleared, BlockStored...]`` (resync)."""
         return self.cache.snapshot_events()
-
-    def now(self) -> float:
-        """Monotonic seconds."""
-        return time.monotonic()
 
     def reset_cache(self) -> bool:
         """Drop the prefix cache when nothing runs (the pool's blocks are all unreferenced
@@ -213,10 +186,6 @@ class HfEngine:
     # ------------------------------------------------------------------ EngineView
 
     @property
-    def block_size(self) -> int:
-        return BLOCK_SIZE
-
-    @property
     def num_blocks(self) -> int:
         return self.cache.num_blocks
 
@@ -231,10 +200,6 @@ class HfEngine:
     @property
     def num_running(self) -> int:
         return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.policy)
 
     def cached_prefix_tokens(self, hashes: Sequence[int]) -> int:
         """Tokens of the longest cached prefix of ``hashes`` (a probe)."""
@@ -297,10 +262,10 @@ class HfEngine:
         sampling = self._sampling.pop(req.request_id)
         gen = torch.Generator().manual_seed(
             sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
-        seq = _Seq(req, sampling, IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids),
-                   gen, blocks=list(hits))
+        detok = IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids)
+        seq = _Seq(req, sampling, detok, gen, blocks=list(hits))
         if hits:
-            seq.past = DynamicCache(self.pool.gather(hits), config=self.model.config)
+            seq.past = DynamicCache(self._pool().gather(hits), config=self.model.config)
         cached = len(hits) * bs
         req.num_computed_tokens = cached
         req.num_stored_blocks = len(hits)
@@ -419,8 +384,9 @@ class HfEngine:
             return
         layers = seq.past.layers
         keys, values = [la.keys for la in layers], [la.values for la in layers]
+        pool = self._pool()
         for i, b in enumerate(new):
-            self.pool.write(b, keys, values, (first + i) * bs)
+            pool.write(b, keys, values, (first + i) * bs)
         seq.blocks.extend(new)
         end = first + len(new)
         parent = req.block_hashes[first - 1] if first else None

@@ -1,4 +1,5 @@
-"""Simulated GPU engine (the ``sim`` backend): vLLM V1's scheduler as pure logic (docs/design.md section 7).
+"""Simulated GPU engine (the ``sim`` backend): vLLM V1's scheduler as pure logic
+(docs/design.md section 7).
 
 Clock-agnostic: every call takes ``now`` (seconds), real or virtual. One step::
 

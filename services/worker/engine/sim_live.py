@@ -21,17 +21,16 @@ from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
 from prefixmesh.services.worker.engine.pacing import Pacer
 from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.sim_logprobs import scored_token, token_logprobs
 from prefixmesh.services.worker.engine.types import (
     EngineRequest,
-    EngineStats,
     SimEngineConfig,
     StepOutput,
 )
 from prefixmesh.services.worker.local.base import LocalPolicy
-from prefixmesh.services.worker.engine.sim_logprobs import scored_token, token_logprobs
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.text.tokenizer import TextTokenizer
-from prefixmesh.shared.wire import KvEvent, SamplingParams, TokenLogprob
+from prefixmesh.shared.wire import SamplingParams, TokenLogprob
 
 # Distinct word-like token ids the sim's outputs cycle through (readable text).
 OUTPUT_POOL_SIZE = 256
@@ -46,86 +45,50 @@ class _Scored:
     sample_key: str
 
 
-class LiveSimEngine:
-    """``SimEngine`` behind the worker's ``Engine`` interface (``engine/base.py``)."""
+class LiveSimEngine(SimEngine):
+    """``SimEngine`` behind the worker's ``Engine`` interface (``engine/base.py``): the
+    same engine, driven by its own paced step loop."""
 
     detokenizes = False
 
     def __init__(self, cost: CostModel, policy: LocalPolicy, tok: TextTokenizer,
                  time_scale: float = 1.0) -> None:
-        self.tokenizer: TextTokenizer | None = tok
-        self.sim = SimEngine(cost, policy, SimEngineConfig(
+        super().__init__(cost, policy, SimEngineConfig(
             output_token_pool=tuple(tok.word_token_ids(OUTPUT_POOL_SIZE))))
+        self.tokenizer: TextTokenizer | None = tok  # Engine's: Optional for other backends
+        self._tok = tok
         # The model clock: wall seconds / time_scale (pacing.py).
         self.pacer = Pacer(time_scale)
         self._wake = asyncio.Event()
         self._scored: dict[str, _Scored] = {}
 
-    # ------------------------------------------------------------------ EngineView
-
-    @property
-    def block_size(self) -> int:
-        return self.sim.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.sim.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.sim.num_free_blocks
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.sim.max_num_seqs
-
-    @property
-    def num_running(self) -> int:
-        return self.sim.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.sim.num_waiting
-
-    def cached_prefix_tokens(self, block_hashes: list[int]) -> int:
-        return self.sim.cached_prefix_tokens(block_hashes)
-
-    # ------------------------------------------------------------------ requests
-
     def now(self) -> float:
         """Model seconds."""
         return self.pacer.now()
 
-    def add(self, req: EngineRequest, now: float, sampling: SamplingParams) -> None:
-        self.sim.add(req, now)
-        if sampling.logprobs is not None or sampling.allowed_token_ids:
+    def add(self, req: EngineRequest, now: float, sampling: SamplingParams | None = None
+            ) -> None:
+        super().add(req, now)
+        if sampling is not None and (sampling.logprobs is not None
+                                     or sampling.allowed_token_ids):
             self._scored[req.request_id] = _Scored(sampling, req.prompt_token_ids,
                                                    req.sample_key)
         self._wake.set()
 
     def abort(self, request_id: str, now: float) -> bool:
         self._scored.pop(request_id, None)
-        ok = self.sim.abort(request_id, now)
+        ok = super().abort(request_id, now)
         self._wake.set()
         return ok
-
-    def update_prediction(self, request_id: str, remaining_tokens: float) -> bool:
-        return self.sim.update_prediction(request_id, remaining_tokens)
-
-    def snapshot_events(self) -> list[KvEvent]:
-        return self.sim.snapshot_events()
 
     def reset_cache(self) -> bool:
         """Drop the prefix cache when idle; a flush starts a benchmark point, so the step
         lag is counted afresh."""
-        ok = self.sim.reset_cache()
+        ok = super().reset_cache()
         if ok:
             self.pacer.reset_lag()
         self._wake.set()  # the idle loop publishes the AllBlocksCleared event
         return ok
-
-    def stats(self, now: float) -> EngineStats:
-        return self.sim.stats(now)
 
     def info(self) -> dict[str, Any]:
         """The sim clock and how late its steps ran since the last flush."""
@@ -145,13 +108,13 @@ class LiveSimEngine:
         the previous ends, or now if idle), so publishing overhead does not stretch
         simulated time; a wake-up later than planned does, and is counted as step lag.
         """
-        pacer, sim = self.pacer, self.sim
+        pacer = self.pacer
         gpu_free_at = pacer.now()
         while True:
             start = max(pacer.now(), gpu_free_at)
-            plan = sim.plan_step(start)
+            plan = self.plan_step(start)
             if plan is None:
-                await publish_kv(sim.take_kv_events())
+                await publish_kv(self.take_kv_events())
                 self._wake.clear()
                 await self._wake.wait()
                 gpu_free_at = pacer.now()
@@ -159,7 +122,7 @@ class LiveSimEngine:
             gpu_free_at = start + plan.duration
             await asyncio.sleep(pacer.sleep_for(gpu_free_at))
             pacer.woke(gpu_free_at, plan.duration)
-            outputs = sim.finish_step(plan, gpu_free_at)
+            outputs = self.finish_step(plan, gpu_free_at)
             if on_step is not None:
                 on_step(plan.duration)
             for out in outputs:
@@ -171,7 +134,7 @@ class LiveSimEngine:
                     del self._scored[out.request_id]
                 out, logprobs = self._score(scored, out)
                 await emit(out, "", logprobs)
-            await publish_kv(sim.take_kv_events())
+            await publish_kv(self.take_kv_events())
 
     def _score(self, scored: _Scored, out: StepOutput
                ) -> tuple[StepOutput, list[TokenLogprob] | None]:
@@ -187,14 +150,14 @@ class LiveSimEngine:
             out = msgspec.structs.replace(out, new_token_ids=[e.token_id for e in entries])
         else:
             index = out.request.num_output_tokens - len(out.new_token_ids)
-            pool = self.sim.config.output_token_pool
+            pool = self.config.output_token_pool
             entries = [token_logprobs(scored.sample_key, index + i, t, pool, k,
                                       self._token_text)
                        for i, t in enumerate(out.new_token_ids)]
         return out, entries if s.logprobs is not None else None
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
 
 async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy

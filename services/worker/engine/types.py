@@ -22,6 +22,7 @@ DEFAULT_OUTPUT_TOKEN_POOL: tuple[int, ...] = tuple(range(1000, 1512))
 FINISH_LENGTH = "length"  # hit max_tokens
 FINISH_STOP = "stop"  # ended before max_tokens (the sim's stand-in for an EOS token)
 FINISH_ABORT = "abort"  # aborted by the caller
+FINISH_ERROR = "error"  # the engine failed on it (a real backend's exception)
 
 
 class RequestStatus(enum.Enum):

@@ -28,8 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
+from prefixmesh.services.worker.engine.queued import QueuedEngine
 from prefixmesh.services.worker.engine.types import (
     FINISH_ABORT,
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineRequest,
@@ -39,17 +43,14 @@ from prefixmesh.services.worker.engine.types import (
 )
 from prefixmesh.services.worker.engine.vllm_events import BlockTranslator
 from prefixmesh.services.worker.engine.window import SlidingSums, engine_stats
-from prefixmesh.services.worker.config import WorkerConfig
-from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
 from prefixmesh.services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBridgeConfig
 from prefixmesh.services.worker.local.base import LocalPolicy
-from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.wire import KvEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 
-FINISH_ERROR = "error"
 # Engine outputs further apart than this (seconds) are not one busy stretch: the interval
 # is not counted as a step time.
 BUSY_GAP_S = 1.0
@@ -143,25 +144,21 @@ def _finish_reason(reason: str | None) -> str:
     return {"length": FINISH_LENGTH, "abort": FINISH_ABORT}.get(reason or "", FINISH_STOP)
 
 
-class VllmEngine:
+class VllmEngine(QueuedEngine):
     """vLLM behind the worker's ``Engine`` interface (``base.py``); vLLM detokenizes."""
 
     tokenizer = None
     detokenizes = True
 
     def __init__(self, cfg: VllmEngineConfig, policy: LocalPolicy) -> None:
+        super().__init__(policy)
         self.cfg = cfg
-        self.policy = policy
         self.translator = BlockTranslator(BLOCK_SIZE)
         self._stats = _StepStats(cfg.stats_window_s)
         # First admissions: (prompt tokens, cached tokens, seconds queued here).
         self._admit_win = SlidingSums(cfg.stats_window_s)
-        self._requests: dict[str, EngineRequest] = {}  # waiting here or in vLLM
-        self._sampling: dict[str, Any] = {}  # vllm.SamplingParams of waiting requests
         self._tasks: dict[str, asyncio.Task] = {}  # streaming tasks of admitted requests
         self._unstarted = 0  # admitted, no output yet
-        self._wake = asyncio.Event()
-        self._tg: asyncio.TaskGroup | None = None
         self._llm: Any = None
         self._tmpdir = ""
         self._vllm_blocks = 0
@@ -217,8 +214,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VllmSamplingParams
 
-        if req.request_id in self._requests:
-            raise ValueError(f"request {req.request_id!r} is already in the engine")
+        self._check_new(req)
         try:
             sp = VllmSamplingParams(
                 n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
@@ -227,44 +223,16 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"request {req.request_id!r}: {exc}") from exc
-        if not req.block_hashes:
-            req.block_hashes = block_hashes(req.prompt_token_ids, req.tenant, BLOCK_SIZE)
-        req.arrival = now
-        self._requests[req.request_id] = req
-        self._sampling[req.request_id] = sp
         self.translator.note_request(req.tenant, req.prompt_token_ids)
-        self.policy.push(req, now)
-        self._wake.set()
+        self._queue(req, now, sp)
 
-    def abort(self, request_id: str, now: float) -> bool:
-        """Drop a waiting request, or abort it in vLLM; False if unknown or done."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return False
-        if req.status is RequestStatus.WAITING:
-            self.policy.remove(request_id)
-            self._sampling.pop(request_id, None)
-        elif (task := self._tasks.get(request_id)) is not None:
+    def _abort_running(self, req: EngineRequest) -> None:
+        if (task := self._tasks.get(req.request_id)) is not None:
             task.cancel()  # generate() aborts the request in vLLM when cancelled
-        req.status, req.finish_reason, req.finish_time = RequestStatus.ABORTED, FINISH_ABORT, now
-        self._wake.set()
-        return True
 
     def snapshot_events(self) -> list[KvEvent]:
         """The whole cache as prefixmesh events (a resync for the scheduler)."""
         return self.translator.snapshot_events()
-
-    def update_prediction(self, request_id: str, remaining_tokens: float) -> bool:
-        """A refined prediction for a request still waiting in the local policy."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return False
-        self.policy.update_prediction(req, remaining_tokens)
-        return True
-
-    def now(self) -> float:
-        """Monotonic seconds."""
-        return time.monotonic()
 
     def reset_cache(self) -> bool:
         """Not offered on this backend (vLLM's cache is flushed by restarting it)."""
@@ -274,11 +242,6 @@ class VllmEngine:
         return {"vllm_block_size": self._vllm_block_size, "vllm_blocks": self._vllm_blocks}
 
     # ------------------------------------------------------------------ EngineView
-
-    @property
-    def block_size(self) -> int:
-        """prefixmesh block size: capacities below are in these blocks."""
-        return BLOCK_SIZE
 
     @property
     def num_blocks(self) -> int:
@@ -298,11 +261,6 @@ class VllmEngine:
     def num_running(self) -> int:
         """Requests handed to vLLM and not finished."""
         return len(self._tasks)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests in the local policy's queue."""
-        return len(self.policy)
 
     def cached_prefix_tokens(self, hashes: Sequence[int]) -> int:
         """Tokens of the longest prefix vLLM caches, as its KV events told us."""
@@ -325,14 +283,13 @@ class VllmEngine:
         assert self._llm is not None and self._bridge_cfg is not None, "start() first"
         bridge = KvBridge(self._bridge_cfg, self.translator, publish_kv)
         async with asyncio.TaskGroup() as tg:
-            self._tg = tg
             tg.create_task(bridge.run(), name="vllm-kv-bridge")
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                self._admit(emit)
+                self._admit(tg, emit)
 
-    def _admit(self, emit: Emit) -> None:
+    def _admit(self, tg: asyncio.TaskGroup, emit: Emit) -> None:
         room = min(self.cfg.max_num_seqs - len(self._tasks),
                    self.cfg.engine_waiting_max - self._unstarted)
         if room <= 0 or not len(self.policy):
@@ -342,7 +299,7 @@ class VllmEngine:
             req.status, req.first_scheduled = RequestStatus.RUNNING, now
             self._unstarted += 1
             sp = self._sampling.pop(req.request_id)
-            self._tasks[req.request_id] = self._tg.create_task(
+            self._tasks[req.request_id] = tg.create_task(
                 self._stream(req, sp, emit), name=f"vllm-{req.request_id}")
 
     def _prompt(self, req: EngineRequest) -> dict[str, Any]:
@@ -407,7 +364,9 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -
     """The vllm backend for a worker config (``engine/registry.py``); loading the model
     takes minutes and blocks, as in vLLM's own server."""
     del cost
-    engine = VllmEngine(VllmEngineConfig(model=cfg.model), policy)
+    served = cfg.served_model()
+    engine = VllmEngine(VllmEngineConfig(model=served.name,
+                                         max_model_len=served.context_length), policy)
     try:
         engine.start()
     except VllmUnavailable as exc:

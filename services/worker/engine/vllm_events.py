@@ -22,7 +22,7 @@ shape below is accepted (``decode_batch``), and fields added later are ignored:
   ``{"type": "BlockStored", "block_hashes": [...], ...}``; the outer batch stays an array in
   some releases (0.26: ``[ts, [{...}], 0]``) and is a map on current main.
 
-prefixmesh's scheduler keys its prefix tree by prefixmesh block hashes (``prefixmesh.shared.blocks``:
+prefixmesh's scheduler keys its prefix tree by prefixmesh block hashes (``shared/blocks.py``:
 16-token blocks, tenant-salted chain) that the edge computes from token ids before any
 engine has seen the request; vLLM's hashes are its own (different function, extra keys,
 block size) and cannot be computed at the edge. So ``BlockTranslator`` re-hashes: a
@@ -165,9 +165,9 @@ def _decode_event(ev: Any) -> VllmEvent | None:
         if names is None:
             return None
         fields = dict(zip(names, ev[1:], strict=False))
-    elif isinstance(ev, dict):
-        tag = ev.get("type")
-        names = _POSITIONAL.get(tag) if isinstance(tag, str) else None
+    elif isinstance(ev, dict) and isinstance(ev.get("type"), str):
+        tag = ev["type"]
+        names = _POSITIONAL.get(tag)
         if names is None:
             return None
         fields = {k: ev[k] for k in names if k in ev}
@@ -352,6 +352,7 @@ class BlockTranslator:
             # LoRA blocks hold adapter KV: not reusable by the base-model requests we route.
             self.skipped += 1
             return None
+        leftover: tuple[int, ...]  # as in _Block
         if ev.parent_block_hash is None:
             chain, tail, leftover = tenant_salt(self._root_tenant(ev)), None, ()
         else:

@@ -5,6 +5,9 @@ Build one by name with ``make_local_policy``; docs/design.md section 6 lists the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from prefixmesh.services.worker.local.base import (
     CacheProbe,
     EngineView,
@@ -13,14 +16,21 @@ from prefixmesh.services.worker.local.base import (
     prefill_estimate,
     tokens_to_prefill,
 )
-from prefixmesh.services.worker.local.batch_groups import BatchGroupsConfig, BatchGroupsPolicy
+from prefixmesh.services.worker.local.batch_groups import (
+    BatchGroupsConfig,
+    BatchGroupsPolicy,
+)
 from prefixmesh.services.worker.local.fcfs import FcfsConfig, FcfsPolicy
-from prefixmesh.services.worker.local.prefix_fair import PrefixFairConfig, PrefixFairPolicy
+from prefixmesh.services.worker.local.prefix_fair import (
+    PrefixFairConfig,
+    PrefixFairPolicy,
+)
 from prefixmesh.services.worker.local.sprpt import SprptConfig, SprptPolicy
 from prefixmesh.services.worker.local.srjf import SrjfConfig, SrjfPolicy
 
-# Each policy by name, in docs/design.md section 6's order: its class and its config type.
-_POLICIES: dict[str, tuple[type[LocalPolicy], type]] = {
+# Each policy by name, in docs/design.md section 6's order: its class (called with a config
+# of its own type, or None) and its config type.
+_POLICIES: dict[str, tuple[Callable[[Any], LocalPolicy], type]] = {
     "fcfs": (FcfsPolicy, FcfsConfig),
     "prefix_fair": (PrefixFairPolicy, PrefixFairConfig),
     "sprpt_limited": (SprptPolicy, SprptConfig),

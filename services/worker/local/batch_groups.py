@@ -38,7 +38,12 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from prefixmesh.services.worker.engine.types import EngineRequest, RequestStatus
-from prefixmesh.services.worker.local.base import EngineView, LocalPolicy, WaitingQueue, prefill_estimate
+from prefixmesh.services.worker.local.base import (
+    EngineView,
+    LocalPolicy,
+    WaitingQueue,
+    prefill_estimate,
+)
 
 # BatchLLM's M_threshold: share of the KV pool batch admissions may fill (fraction); the
 # rest is headroom for interactive requests and for the decode growth of running ones.
@@ -122,9 +127,9 @@ class BatchGroupsPolicy(LocalPolicy):
         for h in req.block_hashes:
             counts[h] = counts.get(h, 0) + 1
         g = self._group
-        if g is not None and (h := g.key_hash()) is not None:
+        if g is not None and (key := g.key_hash()) is not None:
             if len(req.block_hashes) >= g.prefix_blocks and (
-                req.block_hashes[g.prefix_blocks - 1] == h
+                req.block_hashes[g.prefix_blocks - 1] == key
             ):
                 g.members.append(req)
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixmesh.services.worker.engine.types import EngineRequest
-from prefixmesh.services.worker.local.base import CacheProbe, QueuedPolicy, prefill_estimate
+from prefixmesh.services.worker.local.base import (
+    CacheProbe,
+    QueuedPolicy,
+    prefill_estimate,
+)
 
 
 @dataclass(frozen=True, slots=True)

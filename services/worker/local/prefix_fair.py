@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from itertools import islice
 
 from prefixmesh.services.worker.engine.types import EngineRequest
-from prefixmesh.services.worker.local.base import CacheProbe, QueuedPolicy, tokens_to_prefill
+from prefixmesh.services.worker.local.base import (
+    CacheProbe,
+    QueuedPolicy,
+    tokens_to_prefill,
+)
 
 DEFAULT_NUM_GROUPS = 10  # Preble's P
 # Oldest waiting requests re-binned per select: caps per-step probing at this many prefix

@@ -31,7 +31,11 @@ from dataclasses import dataclass
 from itertools import count
 
 from prefixmesh.services.worker.engine.types import EngineRequest
-from prefixmesh.services.worker.local.base import EngineView, LocalPolicy, prefill_estimate
+from prefixmesh.services.worker.local.base import (
+    EngineView,
+    LocalPolicy,
+    prefill_estimate,
+)
 
 # TRAIL's c: the preemptable window is the first floor(c * r) output tokens.
 DEFAULT_PREEMPT_FRACTION = 0.8

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from itertools import islice
 
 from prefixmesh.services.worker.engine.types import EngineRequest
-from prefixmesh.services.worker.local.base import CacheProbe, QueuedPolicy, tokens_to_prefill
+from prefixmesh.services.worker.local.base import (
+    CacheProbe,
+    QueuedPolicy,
+    tokens_to_prefill,
+)
 
 # PrefillOnly's lambda: tokens of prefill a request is credited per second it waits.
 DEFAULT_LAMBDA_TOKENS_PER_S = 500.0
