@@ -68,6 +68,7 @@ from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
     free_port,
+    get_json,
     start_nats,
     start_redis,
 )
@@ -146,17 +147,9 @@ def guidellm_version(exe: str) -> str:
     return out.stdout.strip() or out.stderr.strip()
 
 
-def _get_json(url: str, timeout: float = 2.0) -> object | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
 def _model_id(url: str) -> str:
     """The first model that ``url``/v1/models lists."""
-    body = _get_json(url + "/v1/models")
+    body = get_json(url + "/v1/models")
     if not isinstance(body, dict) or not body.get("data"):
         raise RuntimeError(f"{url}/v1/models lists no model")
     return body["data"][0]["id"]
@@ -180,7 +173,7 @@ def wait_models(url: str, proc: ManagedProcess | None, what: str) -> None:
     while time.monotonic() < deadline:
         if proc is not None and not proc.alive():
             raise RuntimeError(f"{what} exited with {proc.returncode}; see its log")
-        body = _get_json(url + "/v1/models")
+        body = get_json(url + "/v1/models")
         if isinstance(body, dict) and body.get("data"):
             return
         time.sleep(POLL_S)
@@ -236,7 +229,7 @@ class WorkerGroup:
         """The workers' step lag since the last flush: the worst lag ratio and step lag."""
         ratio = worst = 0.0
         for url in self.urls:
-            info = _get_json(url + "/server_info")
+            info = get_json(url + "/server_info")
             lag = info.get("step_lag", {}) if isinstance(info, dict) else {}
             ratio = max(ratio, lag.get("lag_ratio", 0.0))
             worst = max(worst, lag.get("max_lag_s", 0.0))

@@ -15,8 +15,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -31,6 +29,7 @@ from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
     free_port,
+    get_json,
     port_open,
     start_nats,
     start_redis,
@@ -40,6 +39,8 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 60.0
 POLL_S = 0.1
+# Seconds a readiness probe waits for its answer.
+POLL_TIMEOUT_S = 1.0
 # Stop order: intake first, engines next, the control plane after, infrastructure last.
 STOP_ORDER = ("edge", "worker", "scheduler", "tokenizer", "predictor", "metrics")
 
@@ -92,14 +93,6 @@ class MeshOptions:
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
     u = urlparse(url.split(",")[0].strip())
     return u.hostname or "127.0.0.1", u.port or default_port
-
-
-def _http_ok(url: str, timeout: float = 1.0) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"{}")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
 
 
 class LocalMesh:
@@ -197,8 +190,8 @@ class LocalMesh:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             self._check_alive()
-            edge = _http_ok(self.url + "/health")
-            cluster = _http_ok(self.metrics_url + "/cluster")
+            edge = get_json(self.url + "/health", POLL_TIMEOUT_S)
+            cluster = get_json(self.metrics_url + "/cluster", POLL_TIMEOUT_S)
             expected = self.opts.workers + self.opts.external_workers
             if edge and cluster and len(cluster.get("workers", [])) >= expected:
                 return

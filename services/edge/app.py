@@ -62,6 +62,10 @@ TOKENS = Counter("prefixmesh_edge_tokens_total", "tokens by kind (prompt, cached
                  ["kind", "tenant"])
 ERRORS = Counter("prefixmesh_edge_errors_total", "HTTP requests answered with an error status",
                  ["route", "status"])
+# The OpenAI routes (each handler below names its own); build_app adds them.
+ROUTES = web.RouteTableDef()
+ROUTES.get("/health")(health_handler)
+ROUTES.get("/metrics")(metrics_handler)
 # Tenant label of requests that carry none (no API key configured).
 DEFAULT_TENANT_LABEL = "default"
 
@@ -175,6 +179,7 @@ def _observe(route: str, usage: Usage, latency: float, ttft: float | None,
     TOKENS.labels("completion", tenant).inc(usage.completion_tokens)
 
 
+@ROUTES.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
     parsed = parse_completion(await read_body(request, cfg.max_body_bytes),
@@ -182,6 +187,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parsed)
 
 
+@ROUTES.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     cfg = request.app[CONFIG]
     parsed = parse_chat(await read_body(request, cfg.max_body_bytes), cfg.context_lengths,
@@ -189,6 +195,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parsed)
 
 
+@ROUTES.post("/v1/score")
 async def score_route(request: web.Request) -> web.Response:
     """Prefill-only scoring: probabilities of a few single-token continuations."""
     cfg = request.app[CONFIG]
@@ -206,10 +213,12 @@ async def score_route(request: web.Request) -> web.Response:
     return web.json_response(body, headers={"x-request-id": rid})
 
 
+@ROUTES.get("/openapi.json")
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document(request.app[CONFIG]))
 
 
+@ROUTES.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixmesh"}
@@ -217,6 +226,7 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+@ROUTES.get("/v1/models/{model}")
 async def model(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     name = request.match_info["model"]
@@ -241,12 +251,5 @@ def build_app(cfg: EdgeConfig, mesh: MeshClient, keys: KeyResolver | None = None
                            cfg.auth)
     app[KEYS] = keys
     app[ADMISSION] = Admission(keys.keys, cfg.max_inflight)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/score", score_route)
-    app.router.add_get("/openapi.json", openapi)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", model)
-    app.router.add_get("/health", health_handler)
-    app.router.add_get("/metrics", metrics_handler)
+    app.add_routes(ROUTES)
     return app

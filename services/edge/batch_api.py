@@ -38,10 +38,15 @@ DEFAULT_LIST_LIMIT = 20
 MAX_LIST_LIMIT = 100
 
 
+# The Files and Batch routes (each handler names its own); add_batch_routes adds them.
+ROUTES = web.RouteTableDef()
+
+
 def _store(request: web.Request) -> BatchStore:
     return request.app[STORE]
 
 
+@ROUTES.post("/v1/files")
 async def create_file(request: web.Request) -> web.Response:
     """POST /v1/files (multipart: ``file``, ``purpose``)."""
     if not request.content_type.startswith("multipart/"):
@@ -73,11 +78,13 @@ async def _file(request: web.Request) -> FileRecord:
     return rec
 
 
+@ROUTES.get("/v1/files/{file_id}")
 async def get_file(request: web.Request) -> web.Response:
     """GET /v1/files/{file_id}."""
     return web.json_response((await _file(request)).to_openai())
 
 
+@ROUTES.get("/v1/files/{file_id}/content")
 async def file_content(request: web.Request) -> web.Response:
     """GET /v1/files/{file_id}/content: the raw bytes (JSONL)."""
     rec = await _file(request)
@@ -96,6 +103,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
     return body
 
 
+@ROUTES.post("/v1/batches")
 async def create_batch(request: web.Request) -> web.Response:
     """POST /v1/batches: {input_file_id, endpoint, completion_window, metadata?}."""
     body = await _json(request)
@@ -137,17 +145,20 @@ async def _batch(request: web.Request) -> BatchRecord:
     return rec
 
 
+@ROUTES.get("/v1/batches/{batch_id}")
 async def get_batch(request: web.Request) -> web.Response:
     """GET /v1/batches/{batch_id}: status and request counts."""
     return web.json_response((await _batch(request)).to_openai())
 
 
+@ROUTES.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: web.Request) -> web.Response:
     """POST /v1/batches/{batch_id}/cancel: ``cancelling`` now, ``cancelled`` once drained."""
     rec = await request.app[RUNNER].cancel(await _batch(request))
     return web.json_response(rec.to_openai())
 
 
+@ROUTES.get("/v1/batches")
 async def list_batches(request: web.Request) -> web.Response:
     """GET /v1/batches?limit=&after=: newest first, cursor pagination by id."""
     try:
@@ -171,10 +182,4 @@ def add_batch_routes(app: web.Application, store: BatchStore, runner: BatchRunne
     """Register the Files and Batch routes on the edge's application."""
     app[STORE] = store
     app[RUNNER] = runner
-    app.router.add_post("/v1/files", create_file)
-    app.router.add_get("/v1/files/{file_id}", get_file)
-    app.router.add_get("/v1/files/{file_id}/content", file_content)
-    app.router.add_post("/v1/batches", create_batch)
-    app.router.add_get("/v1/batches", list_batches)
-    app.router.add_get("/v1/batches/{batch_id}", get_batch)
-    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+    app.add_routes(ROUTES)

@@ -69,11 +69,21 @@ class MetricsConfig(CommonConfig):
     sample_interval_s: float = option(1.0, "period of the dashboard's history points (seconds)")
 
 
+# The service's routes (each handler names its own); build_app adds them.
+ROUTES = web.RouteTableDef()
+ROUTES.get("/metrics")(metrics_handler)
+ROUTES.get("/health")(health_handler)
+ROUTES.static("/static/", STATIC_DIR)
+
+
+@ROUTES.get("/cluster")
 async def cluster_handler(request: web.Request) -> web.Response:
     return web.json_response(request.app[VIEW].snapshot(time.monotonic()),
                              headers={"Cache-Control": "no-store"})
 
 
+@ROUTES.get("/")
+@ROUTES.get("/dashboard")
 async def dashboard_handler(_request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC_DIR / "dashboard.html")
 
@@ -82,12 +92,7 @@ def build_app(view: ClusterView) -> web.Application:
     """The metrics service's aiohttp application."""
     app = web.Application()
     app[VIEW] = view
-    app.router.add_get("/", dashboard_handler)
-    app.router.add_get("/dashboard", dashboard_handler)
-    app.router.add_static("/static/", STATIC_DIR)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/cluster", cluster_handler)
-    app.router.add_get("/health", health_handler)
+    app.add_routes(ROUTES)
     return app
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -16,8 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 READY_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -62,6 +66,16 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    """The JSON body of ``GET url``; None when the server cannot be reached, answers with
+    an error status or sends no JSON (readiness probes poll with it)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"null")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def _die_with_parent() -> None:

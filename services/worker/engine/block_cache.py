@@ -323,3 +323,32 @@ class BlockCache:
                 )
             )
         return events
+
+
+class CachedEngine:
+    """The cache half of an engine that keeps its own ``BlockCache`` (``self.cache``): the
+    ``EngineView`` capacity and probe, and the cache's KV events."""
+
+    cache: BlockCache
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks in the pool (EngineView, for local policies)."""
+        return self.cache.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks allocatable now: empty plus evictable cached (EngineView)."""
+        return self.cache.num_free
+
+    def cached_prefix_tokens(self, block_hashes: Sequence[int]) -> int:
+        """Tokens of the longest cached prefix of ``block_hashes`` (a probe: no side effects)."""
+        return self.cache.cached_prefix_tokens(block_hashes)
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """KV events since the last call, in order."""
+        return self.cache.take_events()
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """``[AllBlocksCleared, BlockStored...]`` describing the whole cache (resync)."""
+        return self.cache.snapshot_events()

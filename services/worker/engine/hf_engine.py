@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +35,7 @@ import numpy as np
 
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
-from prefixmesh.services.worker.engine.block_cache import BlockCache
+from prefixmesh.services.worker.engine.block_cache import BlockCache, CachedEngine
 from prefixmesh.services.worker.engine.kv_pool import KvPool
 from prefixmesh.services.worker.engine.queued import QueuedEngine
 from prefixmesh.services.worker.engine.types import (
@@ -54,7 +54,7 @@ from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.smollm2 import load_model
 from prefixmesh.shared.smollm2 import missing_dependencies as missing_dependencies
 from prefixmesh.shared.text.tokenizer import IncrementalDetokenizer, TextTokenizer
-from prefixmesh.shared.wire import KvEvent, SamplingParams
+from prefixmesh.shared.wire import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class _Seq:
     aborted: bool = False
 
 
-class HfEngine(QueuedEngine):
+class HfEngine(QueuedEngine, CachedEngine):
     """A transformers causal LM behind the worker's ``Engine`` interface (``base.py``)."""
 
     detokenizes = True
@@ -167,10 +167,6 @@ class HfEngine(QueuedEngine):
         seq.aborted = True  # a forward pass in flight finds it so and drops it
         self._drop(seq)
 
-    def snapshot_events(self) -> list[KvEvent]:
-        """The whole prefix cache as ``[AllBlocksCleared, BlockStored...]`` (resync)."""
-        return self.cache.snapshot_events()
-
     def reset_cache(self) -> bool:
         """Drop the prefix cache when nothing runs (the pool's blocks are all unreferenced
         then); the AllBlocksCleared event goes out with the idle loop's next publish."""
@@ -186,24 +182,12 @@ class HfEngine(QueuedEngine):
     # ------------------------------------------------------------------ EngineView
 
     @property
-    def num_blocks(self) -> int:
-        return self.cache.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.cache.num_free
-
-    @property
     def max_num_seqs(self) -> int:
         return self.cfg.max_num_seqs
 
     @property
     def num_running(self) -> int:
         return len(self._running)
-
-    def cached_prefix_tokens(self, hashes: Sequence[int]) -> int:
-        """Tokens of the longest cached prefix of ``hashes`` (a probe)."""
-        return self.cache.cached_prefix_tokens(hashes)
 
     def stats(self, now: float) -> EngineStats:
         """Load snapshot for load reports (same shape as the sim's)."""
@@ -223,7 +207,7 @@ class HfEngine(QueuedEngine):
         while True:
             self._admit(time.monotonic())
             if not self._running:
-                await publish_kv(self.cache.take_events())
+                await publish_kv(self.take_kv_events())
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -242,7 +226,7 @@ class HfEngine(QueuedEngine):
             if seq.aborted:
                 continue
             await self._after_forward(seq, n, result, emit)
-            await publish_kv(self.cache.take_events())
+            await publish_kv(self.take_kv_events())
 
     def _admit(self, now: float) -> None:
         slots = self.cfg.max_num_seqs - len(self._running)

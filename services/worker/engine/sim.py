@@ -27,10 +27,9 @@ processes. Work per step is O(scheduled requests); nothing scans all blocks or r
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
 from itertools import islice
 
-from prefixmesh.services.worker.engine.block_cache import BlockCache
+from prefixmesh.services.worker.engine.block_cache import BlockCache, CachedEngine
 from prefixmesh.services.worker.engine.types import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -47,13 +46,12 @@ from prefixmesh.services.worker.local.base import LocalPolicy
 from prefixmesh.services.worker.local.fcfs import FcfsPolicy
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.wire import KvEvent
 
 _WAITING = RequestStatus.WAITING
 _RUNNING = RequestStatus.RUNNING
 
 
-class SimEngine:
+class SimEngine(CachedEngine):
     """A simulated GPU that schedules like vLLM; step times come from a CostModel."""
 
     def __init__(
@@ -110,16 +108,6 @@ class SimEngine:
     def block_size(self) -> int:
         """Tokens per KV block."""
         return self._block_size
-
-    @property
-    def num_blocks(self) -> int:
-        """KV blocks in the pool (EngineView, for local policies)."""
-        return self.cache.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """KV blocks allocatable now: empty plus evictable cached (EngineView)."""
-        return self.cache.num_free
 
     @property
     def max_num_seqs(self) -> int:
@@ -438,18 +426,6 @@ class SimEngine:
         req.num_stored_blocks = full
 
     # ------------------------------------------------------------------ cache and stats
-
-    def cached_prefix_tokens(self, block_hashes: Sequence[int]) -> int:
-        """Tokens of the longest cached prefix of ``block_hashes`` (a probe: no side effects)."""
-        return self.cache.cached_prefix_tokens(block_hashes)
-
-    def take_kv_events(self) -> list[KvEvent]:
-        """KV events since the last call, in order."""
-        return self.cache.take_events()
-
-    def snapshot_events(self) -> list[KvEvent]:
-        """``[AllBlocksCleared, BlockStored...]`` describing the whole cache (resync)."""
-        return self.cache.snapshot_events()
 
     def reset_cache(self) -> bool:
         """Drop the prefix cache (emits AllBlocksCleared); like vLLM, refused (False) while
