@@ -57,11 +57,10 @@ async def _run(nats_url: str, args: argparse.Namespace) -> dict:
     try:
         stream = make_stream(args.workload, None, args.seed)
         reqs = [next(stream).route for _ in range(args.warmup + args.requests)]
-        # The synthetic streams have block hashes but no token ids: the ids stand in with
-        # zeros, so each message is as long on the wire as a real prompt's.
-        msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[0] * r.prompt_tokens,
+        # What the edge sends the scheduler: hashes and length, no token ids.
+        msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[],
                                  sampling=SamplingParams(max_tokens=r.max_tokens),
-                                 block_hashes=r.block_hashes)
+                                 block_hashes=r.block_hashes, prompt_tokens=r.prompt_tokens)
                 for r in reqs]
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 30

@@ -134,7 +134,11 @@ class PredictLengthReply(_Msg):
 class TokenizedRequest(_Msg):
     """A request once its prompt is token ids: what the edge asks the scheduler to route
     (subject ``sched.route``) and then submits to the chosen worker
-    (``worker.<id>.submit``), one message for both stages."""
+    (``worker.<id>.submit``), one message for both stages.
+
+    The scheduler needs the prompt's block hashes and length, not its tokens: the edge
+    routes a copy with ``token_ids`` empty (a long prompt's ids would be most of the bytes
+    the scheduler reads), and ``prompt_tokens`` says how long the prompt is."""
 
     request_id: str
     token_ids: list[int]
@@ -142,6 +146,8 @@ class TokenizedRequest(_Msg):
     # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain):
     # the scheduler matches them against its prefix tree, the engine against its cache.
     block_hashes: list[int] = []
+    # Prompt length (tokens); 0 = len(token_ids).
+    prompt_tokens: int = 0
     # Subject the worker streams GenerateChunkEvent / RequestDoneEvent to.
     reply_to: str = ""
     tenant: str = ""

@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+import msgspec
+
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
@@ -172,11 +174,12 @@ class MeshClient:
 
     async def _route(self, req: TokenizedRequest) -> str:
         """Ask the scheduler; while none answers, retry with backoff up to route_retry_s."""
+        route = msgspec.structs.replace(req, token_ids=[])  # it reads hashes and length
         deadline = time.monotonic() + self.timeouts.route_retry_s
         backoff = ROUTE_BACKOFF_S
         while True:
             try:
-                reply = await self.bus.request(self.bus.subjects.route, req, ROUTE_REPLY,
+                reply = await self.bus.request(self.bus.subjects.route, route, ROUTE_REPLY,
                                                self.timeouts.route_s)
                 break
             except BusUnavailable as exc:
@@ -265,7 +268,7 @@ class MeshClient:
             wire_id = f"{request_id}-f{len(lost)}" if lost else request_id
             req = TokenizedRequest(
                 request_id=wire_id, token_ids=token_ids, sampling=sampling,
-                block_hashes=hashes,
+                block_hashes=hashes, prompt_tokens=len(token_ids),
                 reply_to=self.bus.subjects.stream_reply(self.edge_id, wire_id),
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
                 created=time.time(), deadline=deadline, predicted_distribution=distribution,

@@ -182,7 +182,8 @@ class SchedulerService:
     async def _route(self, req: TokenizedRequest) -> RouteReply:
         t0 = time.perf_counter()
         inp = RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
-                         prompt_tokens=len(req.token_ids), max_tokens=req.sampling.max_tokens,
+                         prompt_tokens=req.prompt_tokens or len(req.token_ids),
+                         max_tokens=req.sampling.max_tokens,
                          tenant=req.tenant, predicted_output=req.predicted_output,
                          exclude=frozenset(req.exclude))
         try:

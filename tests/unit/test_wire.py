@@ -22,6 +22,10 @@ def test_one_tokenized_request_is_routed_and_submitted() -> None:
                              tenant="t", exclude=["w1"])
     blob = m.encode(req)
     assert m.ROUTE_REQUEST.decode(blob) == req == m.WORKER_REQUEST.decode(blob)
+    # The edge routes it without the ids, its length in prompt_tokens: far fewer bytes.
+    route = msgspec.structs.replace(req, token_ids=[], prompt_tokens=40)
+    assert m.ROUTE_REQUEST.decode(m.encode(route)).prompt_tokens == 40
+    assert len(m.encode(route)) < len(blob)
 
 
 def test_one_done_event_for_the_stream_and_the_done_subject() -> None:
