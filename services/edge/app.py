@@ -180,18 +180,16 @@ def _observe(route: str, usage: Usage, latency: float, ttft: float | None,
 
 
 @ROUTES.post("/v1/completions")
-async def completions(request: web.Request) -> web.StreamResponse:
-    cfg = request.app[CONFIG]
-    parsed = parse_completion(await read_body(request, cfg.max_body_bytes),
-                              cfg.context_lengths, cfg.vocab_size, cfg.max_tokens_limit)
-    return await _generate(request, parsed)
-
-
 @ROUTES.post("/v1/chat/completions")
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def completions(request: web.Request) -> web.StreamResponse:
+    """Text and chat completions (the route says which)."""
     cfg = request.app[CONFIG]
-    parsed = parse_chat(await read_body(request, cfg.max_body_bytes), cfg.context_lengths,
-                        cfg.max_tokens_limit)
+    body = await read_body(request, cfg.max_body_bytes)
+    if request.path.endswith("/chat/completions"):
+        parsed = parse_chat(body, cfg.context_lengths, cfg.max_tokens_limit)
+    else:
+        parsed = parse_completion(body, cfg.context_lengths, cfg.vocab_size,
+                                  cfg.max_tokens_limit)
     return await _generate(request, parsed)
 
 

@@ -69,12 +69,17 @@ async def create_file(request: web.Request) -> web.Response:
     return web.json_response(rec.to_openai())
 
 
+def _not_found(kind: str, param: str, object_id: str) -> ApiError:
+    """OpenAI's 404 for an unknown File or Batch id."""
+    return ApiError(404, f"No such {kind} object: {object_id}", param=param, code="not_found",
+                    type="not_found_error")
+
+
 async def _file(request: web.Request) -> FileRecord:
     fid = request.match_info["file_id"]
     rec = await _store(request).get_file(fid)
     if rec is None:
-        raise ApiError(404, f"No such File object: {fid}", param="file_id", code="not_found",
-                       type="not_found_error")
+        raise _not_found("File", "file_id", fid)
     return rec
 
 
@@ -140,8 +145,7 @@ async def _batch(request: web.Request) -> BatchRecord:
     bid = request.match_info["batch_id"]
     rec = request.app[RUNNER].record_of(bid) or await _store(request).get_batch(bid)
     if rec is None:
-        raise ApiError(404, f"No such Batch object: {bid}", param="batch_id", code="not_found",
-                       type="not_found_error")
+        raise _not_found("Batch", "batch_id", bid)
     return rec
 
 

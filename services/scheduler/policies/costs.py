@@ -43,14 +43,9 @@ class CostTables:
             return 0.0
         b = -(-tokens // self.block)
         t = self._pt
-        try:
-            v = t[b]
-        except IndexError:
-            t.extend([None] * (b + 1 - len(t)))
-            v = None
-        if v is None:
-            v = t[b] = self._prefill(b * self.block)
-        return v
+        if b < len(t) and (v := t[b]) is not None:
+            return v
+        return _put(t, b, self._prefill(b * self.block))
 
     def _prefill(self, n: int) -> float:
         """``CostModel.prefill_time(n)`` in one step: full chunks from a prefix sum."""
@@ -65,32 +60,31 @@ class CostTables:
     def dt(self, context_tokens: int) -> float:
         """DT: seconds one more sequence of this context adds to a batched decode step.
 
-        The GPU cost of one output token under continuous batching (docs/design.md section 5: the
-        sequential per-token time would make L count requests, not GPU work).
+        The GPU cost of one output token under continuous batching (docs/design.md
+        section 5: the sequential per-token time would make L count requests, not GPU
+        work).
         """
         b = context_tokens // self.block if context_tokens > 0 else 0
         t = self._dt
-        try:
-            v = t[b]
-        except IndexError:
-            t.extend([None] * (b + 1 - len(t)))
-            v = None
-        if v is None:
-            ctx = b * self.block
-            if ctx < DT_BUCKET_TOKENS:
-                v = self.cost.marginal_decode_time(ctx, self.batch)
-            else:
-                k, r = divmod(ctx, DT_BUCKET_TOKENS)
-                lo = self._edge(k)
-                v = lo + (self._edge(k + 1) - lo) * (r / DT_BUCKET_TOKENS)
-            t[b] = v
-        return v
+        if b < len(t) and (v := t[b]) is not None:
+            return v
+        ctx = b * self.block
+        if ctx < DT_BUCKET_TOKENS:
+            return _put(t, b, self.cost.marginal_decode_time(ctx, self.batch))
+        k, r = divmod(ctx, DT_BUCKET_TOKENS)
+        lo = self._edge(k)
+        return _put(t, b, lo + (self._edge(k + 1) - lo) * (r / DT_BUCKET_TOKENS))
 
     def _edge(self, k: int) -> float:
         e = self._dt_edges
-        if k >= len(e):
-            e.extend([None] * (k + 1 - len(e)))
-        v = e[k]
-        if v is None:
-            v = e[k] = self.cost.marginal_decode_time(k * DT_BUCKET_TOKENS, self.batch)
-        return v
+        if k < len(e) and (v := e[k]) is not None:
+            return v
+        return _put(e, k, self.cost.marginal_decode_time(k * DT_BUCKET_TOKENS, self.batch))
+
+
+def _put(table: list[float | None], i: int, value: float) -> float:
+    """``table[i] = value``, the table grown with gaps (None) as needed; returns value."""
+    if i >= len(table):
+        table.extend([None] * (i + 1 - len(table)))
+    table[i] = value
+    return value
