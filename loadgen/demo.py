@@ -20,6 +20,7 @@ from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 from prefixmesh.shared.models import sim_card
 from prefixmesh.shared.runtime.servers import free_port
+from prefixmesh.shared.text.gguf_vocab import GgufTokenizerError
 
 PROFILE = DEFAULT_PROFILE
 MODEL = sim_card(PROFILE).name  # what a simulated worker on PROFILE serves
@@ -58,9 +59,13 @@ def run_demo(workers: int, requests: int, rate: float, policies: list[str], seed
           f"requests (Zipf 1.1 tool popularity) at {rate:g} req/s, policies {policies}",
           flush=True)
     rows = []
-    for policy in policies:
-        print(f"  running {policy} ...", flush=True)
-        rows.append(run_policy(policy, workers, requests, rate, seed))
+    try:
+        for policy in policies:
+            print(f"  running {policy} ...", flush=True)
+            rows.append(run_policy(policy, workers, requests, rate, seed))
+    except (RuntimeError, TimeoutError, GgufTokenizerError) as exc:
+        print(f"prefixmesh demo failed: {exc}", file=sys.stderr, flush=True)
+        return 1
     print()
     print(format_table(rows))
     if json_out is not None:

