@@ -30,6 +30,7 @@ from prefixmesh.shared.openai.responses import ResponseMeta, Usage
 from prefixmesh.shared.openai.schema import (
     ApiError,
     ParsedRequest,
+    check_model,
     parse_chat,
     parse_completion,
 )
@@ -216,23 +217,25 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document(request.app[CONFIG]))
 
 
+def _model_object(cfg: EdgeConfig, name: str) -> dict[str, Any]:
+    """A served model in OpenAI's shape, with its context length as vLLM reports it."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "prefixmesh",
+            "max_model_len": cfg.context_lengths[name]}
+
+
 @ROUTES.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixmesh"}
-            for m in cfg.model_names]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list",
+                              "data": [_model_object(cfg, m) for m in cfg.model_names]})
 
 
 @ROUTES.get("/v1/models/{model}")
 async def model(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     name = request.match_info["model"]
-    if name not in cfg.model_names:
-        raise ApiError(404, f"The model `{name}` does not exist.", param="model",
-                       code="model_not_found")
-    return web.json_response({"id": name, "object": "model", "created": 0,
-                              "owned_by": "prefixmesh"})
+    check_model(name, cfg.model_names)
+    return web.json_response(_model_object(cfg, name))
 
 
 def build_app(cfg: EdgeConfig, mesh: MeshClient, keys: KeyResolver | None = None

@@ -30,6 +30,7 @@ from prefixmesh.shared.openai.schema import (
     ParsedRequest,
     allowed_tokens,
     check_choices,
+    check_model,
     decode_body,
     parse_prompts,
 )
@@ -57,11 +58,7 @@ class ScoreRequest(msgspec.Struct):
 def parse_score(body: bytes, models: tuple[str, ...], vocab_size: int) -> ScoreRequest:
     """Validate a ``/v1/score`` body."""
     b = decode_body(body, _ScoreBody)
-    if not b.model:
-        raise ApiError(400, "model must be a non-empty string", param="model")
-    if b.model not in models:
-        raise ApiError(404, f"The model `{b.model}` does not exist.", param="model",
-                       code="model_not_found")
+    check_model(b.model, models)
     prompts = parse_prompts(b.prompt, vocab_size)
     check_choices(1, len(prompts))
     if (b.candidates is None) == (b.candidate_token_ids is None):

@@ -74,7 +74,6 @@ KV_EVICTED = Counter("prefixmesh_worker_kv_blocks_evicted_total",
                      "KV cache blocks evicted (BlockRemoved events published)", ["worker"])
 RESUMES = Counter("prefixmesh_worker_stream_resumes_total",
                   "streams resent on an edge's ResumeRequest", ["worker"])
-# Size of the word-token pool the simulated engine draws output tokens from.
 # Drain polls the engine this often (seconds).
 DRAIN_POLL_S = 0.02
 # Starts an extra way into a running worker (its HTTP API) on the worker's exit stack.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,12 +158,17 @@ def _sampling(b: _Common, max_tokens: int | None, context_length: int, cap: int,
                           seed=b.seed, stop=stop, ignore_eos=b.ignore_eos, logprobs=logprobs)
 
 
-def _check_common(b: _Common, models: Mapping[str, int]) -> None:
-    if not b.model:
+def check_model(name: str, models: Collection[str]) -> None:
+    """400 for an empty model name, OpenAI's 404 for one that is not served."""
+    if not name:
         raise ApiError(400, "model must be a non-empty string", param="model")
-    if b.model not in models:
-        raise ApiError(404, f"The model `{b.model}` does not exist.", param="model",
+    if name not in models:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model",
                        code="model_not_found")
+
+
+def _check_common(b: _Common, models: Mapping[str, int]) -> None:
+    check_model(b.model, models)
     if not 1 <= b.n <= MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
 

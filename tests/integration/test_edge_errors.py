@@ -114,10 +114,12 @@ async def test_models_and_health(edge) -> None:
     async with session.get(url + "/v1/models") as r:
         body = await r.json()
         assert [m["id"] for m in body["data"]] == [MODEL]
+        assert body["data"][0]["max_model_len"] == 32768  # Mistral-7B's, the sim imitates
     async with session.get(url + f"/v1/models/{MODEL}") as r:
-        assert r.status == 200
+        assert r.status == 200 and (await r.json())["max_model_len"] == 32768
     async with session.get(url + "/v1/models/other") as r:
         assert r.status == 404
+        assert (await r.json())["error"]["code"] == "model_not_found"
     async with session.get(url + "/health") as r:
         assert r.status == 200
     async with session.get(url + "/metrics") as r:
