@@ -154,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--doc-tokens", type=int, default=None,
                     help="tokens of each shared document (workload default when absent)")
+    ap.add_argument("--prefixes", type=int, default=None,
+                    help="shared documents, the requests spread evenly over them (workload "
+                    "default when absent: 4-16 requests each)")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {list(MODES)}")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
@@ -163,10 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}")
-    reqs = build_workload("batch", a.count, a.seed, doc_tokens=a.doc_tokens)
+    reqs = build_workload("batch", a.count, a.seed, doc_tokens=a.doc_tokens,
+                          prefixes=a.prefixes)
     result = compare(reqs, a.gpus, modes, a.profile)
     result["workload"] = {"name": "batch", "count": a.count, "seed": a.seed,
-                          "doc_tokens": a.doc_tokens}
+                          "doc_tokens": a.doc_tokens, "prefixes": a.prefixes}
     print(json.dumps(result, indent=2))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -255,9 +255,8 @@ class HfEngine(QueuedEngine, CachedEngine):
         return rest[self._next_unslotted % len(rest)]
 
     def _start(self, req: EngineRequest, now: float) -> None:
-        """Admit ``req``: reference its cached prefix and build its KV from the pool."""
+        """Admit ``req``: reference its cached prefix (``_forward`` gathers its KV)."""
         import torch
-        from transformers import DynamicCache
 
         bs = BLOCK_SIZE
         hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
@@ -266,9 +265,9 @@ class HfEngine(QueuedEngine, CachedEngine):
         gen = torch.Generator().manual_seed(
             sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
         detok = IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids)
+        # Its KV is gathered from the pool by its first forward pass, on the executor: a
+        # group admitted at once would otherwise copy every member's prefix on the loop.
         seq = _Seq(req, sampling, detok, gen, blocks=list(hits))
-        if hits:
-            seq.past = DynamicCache(self._pool().gather(hits), config=self.model.config)
         cached = len(hits) * bs
         req.num_computed_tokens = cached
         req.num_stored_blocks = len(hits)
@@ -294,10 +293,11 @@ class HfEngine(QueuedEngine, CachedEngine):
         layer = self.cfg.hidden_layer if sample and self.on_hidden is not None else None
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if seq.past is None:
+            if seq.past is None:  # first pass: the cached prefix's KV (seq.blocks), if any
                 from transformers import DynamicCache
 
-                seq.past = DynamicCache(config=self.model.config)
+                kv = self._pool().gather(seq.blocks) if seq.blocks else None
+                seq.past = DynamicCache(kv, config=self.model.config)
             out = self.model(input_ids=ids, cache=seq.past, use_cache=True,
                              logits_to_keep=1, output_hidden_states=layer is not None)
             token = self._sample(out.logits[0, -1], seq) if sample else None
