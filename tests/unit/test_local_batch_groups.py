@@ -225,12 +225,14 @@ def test_a_planned_batch_runs_beyond_max_num_seqs_up_to_the_kv_token_threshold()
         peak = max(peak, engine.num_running)
         assert _used_kv_tokens(engine) <= threshold
     assert peak == 10 and all(r.finish_time is not None for r in batch)
-    # Under fcfs the same requests are capped at max_num_seqs.
-    engine, d = _sim(FcfsPolicy(), max_num_seqs=4)
-    for i in range(30):
-        engine.add(_req(f"b{i}", span(1000 * i, 160), max_tokens=32), 0.0)
-    d.step()
-    assert engine.num_running == 4
+    # Under fcfs, or with batch_slots (the request-count baseline), the same requests are
+    # capped at max_num_seqs.
+    for policy in (FcfsPolicy(), BatchGroupsPolicy(BatchGroupsConfig(batch_slots=True))):
+        engine, d = _sim(policy, max_num_seqs=4)
+        for i in range(30):
+            engine.add(_req(f"b{i}", span(1000 * i, 32), max_tokens=160), 0.0)
+        d.step()
+        assert engine.num_running == 4
 
 
 def test_interactive_requests_keep_every_slot_beside_a_batch() -> None:

@@ -68,6 +68,9 @@ class BatchGroupsConfig:
     kv_tokens: int = 0
     # Waiting batch requests considered per group choice.
     scan_limit: int = DEFAULT_SCAN_LIMIT
+    # True: batch requests hold sequence slots like any other, so max_num_seqs caps them
+    # too (request-count batching, the baseline the KV threshold replaces; comparisons).
+    batch_slots: bool = False
 
     def __post_init__(self) -> None:
         if (not 0.0 < self.memory_threshold <= 1.0 or self.kv_tokens < 0
@@ -221,8 +224,8 @@ class BatchGroupsPolicy(LocalPolicy):
 
     def takes_slot(self, req: EngineRequest) -> bool:
         """Interactive requests hold a sequence slot; batch ones are bounded by the KV
-        token threshold instead."""
-        return not req.batch_id
+        token threshold instead (unless ``batch_slots``)."""
+        return self.config.batch_slots or not req.batch_id
 
     def select(
         self, now: float, max_requests: int, token_budget: int, cache: EngineView
