@@ -345,7 +345,7 @@ class WorkerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
-        policy = make_local_policy(self.cfg.local_policy)
+        policy = make_local_policy(self.cfg.local_policy, self.cfg.local_policy_config())
         self._engine = engine = await self._backend.open_engine(self.cfg, self.cost, policy)
         stack.callback(engine.close)  # after the engine task is cancelled (LIFO)
         if self.cfg.mesh:  # before the tasks, so the bus closes after they are cancelled
