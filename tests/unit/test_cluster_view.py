@@ -12,7 +12,7 @@ from prefixmesh.services.metrics.cluster import (
     percentile,
 )
 from prefixmesh.services.scheduler.prefix_tree import PrefixTree
-from prefixmesh.services.scheduler.stats import hot_prefixes
+from prefixmesh.services.scheduler.stats import HotPrefixWalk, hot_prefixes
 from prefixmesh.shared.wire import (
     LoadReportEvent,
     RequestDoneEvent,
@@ -47,6 +47,25 @@ def test_hot_prefixes_keep_the_top_k() -> None:
             _route(tree, [1000 * (p + 1), 1000 * (p + 1) + 1, 10_000 + 100 * p + i], "w0")
     assert [h.requests for h in hot_prefixes(tree, k=3)] == [5, 4, 3]
     assert hot_prefixes(PrefixTree()) == []
+
+
+def _busy_tree() -> PrefixTree:
+    tree = PrefixTree(block_size=16)
+    for p in range(12):
+        shared = [10_000 * (p + 1) + j for j in range(3)]
+        for i in range(p + 2):
+            _route(tree, shared + [10_000 * (p + 1) + 100 + i], f"w{i % 3}")
+    return tree
+
+
+def test_hot_prefix_walk_in_slices_finds_what_one_walk_finds() -> None:
+    tree = _busy_tree()
+    walk = HotPrefixWalk(tree)
+    slices = 1
+    while not walk.step(3):  # a few nodes a slice: many yields
+        slices += 1
+    assert slices > 5
+    assert walk.result() == hot_prefixes(tree)
 
 
 def _load(w: str, running: int = 1) -> LoadReportEvent:
