@@ -7,21 +7,33 @@ says one already serves ``--prefix`` on that NATS. It registers
 the in-process benchmark as TokenizedRequests over NATS with ``--in-flight`` outstanding, and
 reports decisions per second and client-side latency percentiles (request/reply round
 trip: msgpack encode, NATS hop, decision, reply).
+
+The client routes as the edge does (``shared/bus.py`` ``RequestBatcher``): while
+``--route-inflight`` messages are unanswered, new requests wait and go together in the
+next one, ``--route-batch`` at most (``--route-batch 1``: one message per request). Each
+request's latency runs from its own send to its own answer. ``--in-flight`` client loops
+each send the next request as soon as theirs is answered; the prepared messages are moved
+out of the garbage collector's sight (``gc.freeze``) so that the client's own collections
+do not stall it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
+from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
-from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.bus import BatchLimits, Bus
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
@@ -32,8 +44,11 @@ from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.wire import (
     ROUTE_REPLY,
     LoadReportEvent,
+    RouteReply,
     SamplingParams,
     TokenizedRequest,
+    route_message,
+    route_replies,
 )
 
 PREFIX = "benchlive"
@@ -50,7 +65,7 @@ async def _report_loop(bus: Bus, workers: list[str]) -> None:
         await asyncio.sleep(REPORT_INTERVAL_S)
 
 
-async def _run(nats_url: str, args: argparse.Namespace) -> dict:
+async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int]]) -> dict:
     bus = await Bus.connect(nats_url, Subjects(args.prefix), "bench-live")
     workers = [f"w{i}" for i in range(args.workers)]
     reporter = asyncio.create_task(_report_loop(bus, workers))
@@ -71,22 +86,36 @@ async def _run(nats_url: str, args: argparse.Namespace) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"scheduler never routed: {reply.error}")
             await asyncio.sleep(0.1)
-        latencies: list[float] = []
-        sem = asyncio.Semaphore(args.in_flight)
+        gc.freeze()  # the prepared messages live all run long: keep them out of collections
+        limits = BatchLimits(max_batch=args.route_batch, max_inflight=args.route_inflight)
+        async with bus.batcher(bus.subjects.route, route_message, route_replies, 10,
+                               limits) as router:
+            latencies: list[float] = []
 
-        async def one(msg: TokenizedRequest, timed: bool) -> None:
-            async with sem:
-                t0 = time.perf_counter()
-                r = await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)
-                if not r.worker_id:
-                    raise RuntimeError(f"routing failed: {r.error}")
-                if timed:
-                    latencies.append(time.perf_counter() - t0)
+            async def route(msg: TokenizedRequest) -> RouteReply:
+                if args.route_batch == 1:  # one message per request, as an unbatched edge
+                    return await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)
+                return await router.request(msg)
 
-        await asyncio.gather(*(one(m, False) for m in msgs[: args.warmup]))
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(m, True) for m in msgs[args.warmup:]))
-        elapsed = time.perf_counter() - t0
+            async def loop(pending: Iterator[TokenizedRequest], timed: bool) -> None:
+                for msg in pending:  # shared by every loop: each message is sent once
+                    t0 = time.perf_counter()
+                    r = await route(msg)
+                    if not r.worker_id:
+                        raise RuntimeError(f"routing failed: {r.error}")
+                    if timed:
+                        latencies.append(time.perf_counter() - t0)
+
+            warm = iter(msgs[: args.warmup])
+            await asyncio.gather(*(loop(warm, False) for _ in range(args.in_flight)))
+            sent = router.batches
+            timed = iter(msgs[args.warmup:])
+            meter = CpuMeter(pids)
+            t0 = time.perf_counter()
+            await asyncio.gather(*(loop(timed, True) for _ in range(args.in_flight)))
+            elapsed = time.perf_counter() - t0
+            cpu = meter.read()
+            messages = router.batches - sent if args.route_batch > 1 else len(latencies)
     finally:
         reporter.cancel()
         await asyncio.gather(reporter, return_exceptions=True)
@@ -94,8 +123,14 @@ async def _run(nats_url: str, args: argparse.Namespace) -> dict:
     latencies.sort()
     return {
         "workload": args.workload, "workers": args.workers, "policy": args.policy,
-        "mode": "live", "in_flight": args.in_flight,
+        "mode": "live", "in_flight": args.in_flight, "route_batch": args.route_batch,
+        "route_inflight": args.route_inflight,
+        "requests_per_message": round(len(latencies) / max(messages, 1), 2),
         "decisions_per_s": round(len(latencies) / elapsed, 1),
+        # CPU per decision of each process: what other load on the machine does not
+        # inflate the way it inflates latency (empty with an external scheduler).
+        "cpu_us_per_decision": {k: round(v / len(latencies) * 1e6, 1) for k, v in cpu.items()},
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
         "p99_us": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6, 1),
     }
@@ -111,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5_000, help="untimed decisions first")
     ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
     ap.add_argument("--in-flight", type=int, default=100, help="outstanding requests")
+    ap.add_argument("--route-batch", type=int, default=BatchLimits().max_batch,
+                    help="requests per routing message at most, as the edge's --route-batch "
+                    "(1 = one message per request)")
+    ap.add_argument("--route-inflight", type=int, default=BatchLimits().max_inflight,
+                    help="routing messages awaiting their answer at once, as the edge's "
+                    "--route-inflight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nats-url", default="", help="use this NATS server (default: start one)")
     ap.add_argument("--redis-url", default="",
@@ -145,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_path=tmp / "scheduler.log").start())
         import uvloop  # the client's own loop must not be the bottleneck
 
-        result = uvloop.run(_run(nats_url, args))
+        pids = {p.name: [p.pid] for p in procs}
+        result = uvloop.run(_run(nats_url, args, pids))
     finally:
         for proc in reversed(procs):  # scheduler first, then the servers
             proc.stop()

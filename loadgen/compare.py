@@ -39,7 +39,6 @@ requests as a neutral cross-check (``loadgen/guidellm_client.py``); its rows are
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ from importlib import metadata
 from pathlib import Path
 
 import aiohttp
+import uvloop
 
 from prefixmesh.loadgen.guidellm_client import run_guidellm
 from prefixmesh.loadgen.options import (
@@ -239,8 +239,11 @@ class WorkerGroup:
 class Running:
     """A started contender: its URL and how to stop it."""
 
-    def __init__(self, url: str, stop: Callable[[], object]) -> None:
+    def __init__(self, url: str, stop: Callable[[], object],
+                 pids: dict[str, int] | None = None) -> None:
         self.url, self.stop = url, stop
+        # Its processes by name (what ``prefixmesh bench-router`` reads CPU time of).
+        self.pids = pids or {}
 
 
 def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], serial: int,
@@ -263,7 +266,7 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
             mesh.stop()
             raise
         time.sleep(1.0)  # a few load reports, so the scheduler has seen every worker
-        return Running(mesh.url, mesh.stop)
+        return Running(mesh.url, mesh.stop, mesh.pids())
     port = free_port()
     argv = [*ROUTERS[c.family][1], "--worker-urls", *group.urls, "--host", "127.0.0.1",
             "--port", str(port), "--policy", c.policy, "--prometheus-port", str(free_port()),
@@ -276,7 +279,7 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
     except BaseException:
         proc.stop()
         raise
-    return Running(url, proc.stop)
+    return Running(url, proc.stop, {c.name: proc.pid})
 
 
 async def probe(url: str, bare_url: str, model: str, n: int = PROBE_REQUESTS
@@ -331,7 +334,7 @@ def run_point(c: Contender, client: str, rate: float, probe_now: bool, group: Wo
         return None
     try:
         if probe_now and client == "prefixmesh":
-            via, bare = asyncio.run(probe(running.url, group.urls[0], model))
+            via, bare = uvloop.run(probe(running.url, group.urls[0], model))
             result["overhead"].append({
                 "contender": c.name, "probe_p50_ms": via * 1e3, "bare_p50_ms": bare * 1e3,
                 "overhead_ms": (via - bare) * 1e3})

@@ -105,6 +105,12 @@ def _bench_scheduler(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _bench_router(argv: list[str]) -> int:
+    from prefixmesh.loadgen.bench_router import main as bench_router_main
+
+    return bench_router_main(argv)
+
+
 def _predictor(argv: list[str]) -> int:
     from prefixmesh.loadgen.predictor.train import main as predictor_main
 
@@ -127,6 +133,8 @@ DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "predictor": ("train / evaluate TRAIL's output-length predictor ([ml] extra)", _predictor),
     "bench-scheduler": ("time the global policy's routing decisions (add --live for the "
                         "scheduler service over NATS)", _bench_scheduler),
+    "bench-router": ("closed-loop capacity of prefixmesh, sglang-router and direct-to-worker "
+                     "in front of the same simulated GPUs", _bench_router),
 }
 
 
