@@ -3,7 +3,7 @@ snapshots."""
 
 from __future__ import annotations
 
-from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_LIMIT, PrefixTree
+from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_HASHES, PrefixTree
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from tests.helpers import toks
 
@@ -203,9 +203,9 @@ def test_index_updates_are_applied_a_few_at_a_time_not_all_at_the_next_tick() ->
     never grows past its limit, and every inserted block is found."""
     tree = PrefixTree()
     inserted = []
-    for seed in range(5 * INDEX_QUEUE_LIMIT):
-        hashes = toks(1000 + seed, 3)
+    for seed in range(5 * INDEX_QUEUE_HASHES // 48):
+        hashes = toks(1000 + seed, 3)  # 48 ids, taken as 48 hashes
         tree.insert(hashes, now=0.0)
         inserted.append(hashes[-1])
-        assert len(tree._index_q) < INDEX_QUEUE_LIMIT
+        assert sum(len(n.hashes) for n in tree._index_q) < INDEX_QUEUE_HASHES
     assert all(tree.node_of(h) is not None for h in inserted)
