@@ -65,9 +65,9 @@ LEASE_STOP_TIMEOUT_S = 5.0
 # Seconds a placed request's acknowledgement is relayed for (the edge waits longer, then
 # routes and submits itself).
 PLACE_ACK_TIMEOUT_S = 2.0
-# Tree nodes the stats loop's hot-prefix walk visits between two yields to routing
+# Tree nodes the stats loop's hot-prefix walk looks at between two yields to routing
 # (about 1 us a node: a slice stalls routing well under a millisecond).
-STATS_SLICE_NODES = 512
+STATS_SLICE_NODES = 256
 DECISIONS = Counter("prefixmesh_scheduler_decisions_total", "routing decisions by kind", ["kind"])
 DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
                              "time to choose a worker", buckets=LATENCY_BUCKETS_S)

@@ -62,10 +62,22 @@ def test_hot_prefix_walk_in_slices_finds_what_one_walk_finds() -> None:
     tree = _busy_tree()
     walk = HotPrefixWalk(tree)
     slices = 1
-    while not walk.step(3):  # a few nodes a slice: many yields
+    while not walk.step(1):  # one node a slice: many yields
         slices += 1
-    assert slices > 5
+    assert slices > 3
     assert walk.result() == hot_prefixes(tree)
+
+
+def test_the_walk_leaves_quiet_subtrees_unvisited() -> None:
+    """Busiest first: once k prefixes are found, what has less traffic is not visited."""
+    tree = _busy_tree()
+    for i in range(200):  # one-off prompts: a node each, one request each
+        _route(tree, [500_000 + 10 * i, 500_001 + 10 * i], "w0")
+    walk = HotPrefixWalk(tree, k=3)
+    while not walk.step(10_000):
+        pass
+    assert walk._visited < 50 < len(tree)
+    assert [h.requests for h in walk.result()] == [13, 12, 11]
 
 
 def _load(w: str, running: int = 1) -> LoadReportEvent:
