@@ -2,10 +2,11 @@
 
 prefixmesh's mesh, sglang-router and no router at all (``direct``: the client spreads its
 requests over the workers itself) in front of the very same standalone simulated GPU
-workers, in one run. Every contender is started once and stays up (an idle one costs the
-others a few percent of a core: load reports, health checks). For each repeat, each
-concurrency, each contender, in an order rotated at every point so that other load on the
-machine spreads over all of them, ``--concurrency`` clients run a closed loop: each sends a
+workers, in one run. The HTTP routers are started once and stay up; a prefixmesh mesh is
+started for its turn and stopped after it (meshes on the same workers would share their
+subjects, and every scheduler would answer every edge). For each repeat, each contender,
+in an order rotated per repeat so that other load on the machine spreads over all of
+them, and each concurrency, ``--concurrency`` clients run a closed loop: each sends a
 one-token completion of a short text prompt of its own (its number first: nothing is
 shared, so cache affinity plays no part) and the next one as soon as the answer is in.
 After ``--warmup`` seconds, ``--duration`` seconds are measured.
@@ -18,6 +19,11 @@ load average (other jobs on a shared machine show there). ``summary`` averages t
 repeats and gives each contender's req/s over the reference's (``--reference``,
 ``sglang-cache_aware`` by default; ``prefixmesh-round_robin`` also over
 ``sglang-round_robin``: the same placement, so the path alone differs).
+
+``--baseline DIR`` runs every prefixmesh contender a second time from other code: DIR
+holds a ``prefixmesh`` package laid out as installed (``prefixmesh/services``, ``shared``,
+``loadgen``: an older checkout's folders, linked), put first on the services' PYTHONPATH;
+those rows are named ``CONTENDER (baseline)``, in front of the same workers.
 
 The workers are the sim backend at time scale 1: a step lasts its modelled GPU time
 (``mistral-7b-a6000``: 22 ms at least), so ``direct`` is the most these workers do on this
@@ -198,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     p.add_argument("--repeats", type=int, default=3, help="rounds over every point")
     p.add_argument("--profile", default="mistral-7b-a6000", help="cost-model profile")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="also run each prefixmesh contender from the prefixmesh package in "
+                   "this folder (before/after in one run)")
     p.add_argument("--json", type=Path, required=True, help="results JSON (.md beside)")
     return p
 
@@ -217,6 +226,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = {n: why for n, c in contenders.items() if (why := available(c))}
     if missing:
         raise SystemExit("; ".join(f"{n}: {w}" for n, w in missing.items()))
+    # Label -> (contender, extra environment of its services).
+    started: dict[str, tuple[Contender, dict[str, str]]] = {
+        n: (c, {}) for n, c in contenders.items()}
+    if args.baseline is not None:
+        if not (args.baseline / "prefixmesh" / "services").is_dir():
+            raise SystemExit(f"--baseline {args.baseline}: no prefixmesh/services in it")
+        for n, c in contenders.items():
+            if c.family == "prefixmesh":
+                label = f"{n} (baseline)"
+                started[label] = (c, {"PYTHONPATH": str(args.baseline.resolve())})
+                names.append(label)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-", dir=args.json.parent)) / "logs"
     log_dir.mkdir(parents=True)
@@ -224,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict = {"runs": [], "summary": [], "meta": {
         "command": "prefixmesh bench-router " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "profile": args.profile, "cpus": os.cpu_count(),
-        "reference": args.reference, "prompt": PROMPT, "started": time.time()}}
+        "reference": args.reference, "prompt": PROMPT, "started": time.time(),
+        "baseline": str(args.baseline or "")}}
     infra: list[ManagedProcess] = []
     running: list[Running] = []
     try:
@@ -236,25 +257,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                          log_dir) as group:
             model = _model_id(group.urls[0])
             pids = {"workers": [p.pid for p in group.procs], "nats": [nats.pid]}
-            targets = {DIRECT: group.urls}
-            for serial, (name, c) in enumerate(contenders.items()):
-                r = start_contender(c, group, {"nats": nats_url, "redis": redis_url}, serial,
-                                    log_dir)
-                running.append(r)
-                targets[name] = [r.url]
-                for part, pid in r.pids.items():
-                    if part not in ("nats-server", "redis-server"):
-                        pids[f"{name}:{part}"] = [pid]
+            infra_urls = {"nats": nats_url, "redis": redis_url}
+            # Routers that talk HTTP only stay up all run; a prefixmesh mesh runs only while
+            # it is measured (all meshes would share the workers' subjects, and every
+            # scheduler would answer every edge).
+            up: dict[str, Running] = {}
+            for name, (c, env) in started.items():
+                if c.family != "prefixmesh":
+                    up[name] = start_contender(c, group, infra_urls, len(running), log_dir, env)
+                    running.append(up[name])
             time.sleep(SETTLE_S)
             for rep in range(args.repeats):
-                for ci, conc in enumerate(concurrencies):
-                    k = (rep * len(concurrencies) + ci) % len(names)
-                    for name in names[k:] + names[:k]:
-                        row = measure(name, targets[name], model, conc, args, pids)
+                k = rep % len(names)
+                for name in names[k:] + names[:k]:
+                    mesh = None
+                    if name in started and name not in up:
+                        c, env = started[name]
+                        mesh = start_contender(c, group, infra_urls, len(running), log_dir, env)
+                        running.append(mesh)
+                        time.sleep(SETTLE_S)
+                    target = up.get(name) or mesh
+                    urls = [target.url] if target is not None else group.urls
+                    parts = dict(pids, **{f"{name}:{part}": [pid] for part, pid in
+                                          (target.pids.items() if target is not None else ())
+                                          if part not in ("nats-server", "redis-server")})
+                    j = rep % len(concurrencies)
+                    for conc in concurrencies[j:] + concurrencies[:j]:
+                        row = measure(name, urls, model, conc, args, parts)
                         row["repeat"] = rep
                         result["runs"].append(row)
                         print(json.dumps(row), flush=True)
                         args.json.write_text(json.dumps(result, indent=1))
+                    if mesh is not None:
+                        mesh.stop()
     finally:
         for r in running:
             r.stop()

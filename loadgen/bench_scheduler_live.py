@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from prefixmesh.loadgen import stalls
 from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
 from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
@@ -52,6 +53,15 @@ from prefixmesh.shared.wire import (
 )
 
 PREFIX = "benchlive"
+# What --stalls times in the scheduler (those the code run lacks are skipped): its periodic
+# steps and what they spend most in.
+STALL_TIMED = (
+    "prefixmesh.services.scheduler.policies.e2:E2Policy.tick",
+    "prefixmesh.services.scheduler.prefix_tree:PrefixTree.enforce_budget",
+    "prefixmesh.services.scheduler.stats:build_stats",
+    "prefixmesh.services.scheduler.stats:HotPrefixWalk.step",
+    "prefixmesh.services.scheduler.store:StateStore.flush",
+)
 REPORT_INTERVAL_S = 0.25
 BLOCKS_PER_WORKER = 12_407  # mistral-7b-a6000: 198,516 tokens / 16
 
@@ -111,9 +121,10 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
             sent = router.batches
             timed = iter(msgs[args.warmup:])
             meter = CpuMeter(pids)
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             await asyncio.gather(*(loop(timed, True) for _ in range(args.in_flight)))
             elapsed = time.perf_counter() - t0
+            window = (wall0, time.time())
             cpu = meter.read()
             messages = router.batches - sent if args.route_batch > 1 else len(latencies)
     finally:
@@ -121,6 +132,7 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         await asyncio.gather(reporter, return_exceptions=True)
         await bus.close()
     latencies.sort()
+    stall_sums = stalls.summarize(args.stalls, *window) if args.stalls is not None else None
     return {
         "workload": args.workload, "workers": args.workers, "policy": args.policy,
         "mode": "live", "in_flight": args.in_flight, "route_batch": args.route_batch,
@@ -131,6 +143,7 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         # inflate the way it inflates latency (empty with an external scheduler).
         "cpu_us_per_decision": {k: round(v / len(latencies) * 1e6, 1) for k, v in cpu.items()},
         "loadavg_1m": round(os.getloadavg()[0], 2),
+        **({"stalls": stall_sums} if stall_sums is not None else {}),
         "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
         "p99_us": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6, 1),
     }
@@ -159,10 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default=PREFIX, help="subject / Redis key prefix")
     ap.add_argument("--external-scheduler", action="store_true",
                     help="a scheduler already serves --prefix on --nats-url: do not spawn one")
+    ap.add_argument("--stalls", type=Path, default=None,
+                    help="run the scheduler under loadgen/stalls.py: its garbage collections, "
+                    "event-loop lag and slow periodic steps go to this JSON-lines file, and "
+                    "the result sums those of the timed window")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="run the spawned scheduler from the prefixmesh package in this folder "
+                    "(PYTHONPATH; e.g. an older checkout's folders linked as prefixmesh/...)")
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
+    if args.external_scheduler and (args.stalls or args.baseline):
+        ap.error("--stalls and --baseline concern the scheduler this command spawns")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
     procs: list[ManagedProcess] = []
     try:
@@ -175,14 +197,22 @@ def main(argv: list[str] | None = None) -> int:
             if not redis_url:
                 proc, redis_url = start_redis(data_dir=tmp, log_path=tmp / "redis.log")
                 procs.append(proc)
+            argv_sched = [sys.executable, "-m", "prefixmesh.services.scheduler"]
+            if args.stalls is not None:
+                args.stalls.parent.mkdir(parents=True, exist_ok=True)
+                args.stalls.write_text("")  # this run's events only
+                timed = [a for t in STALL_TIMED for a in ("--time", t)]
+                argv_sched = [sys.executable, stalls.__file__, "--out", str(args.stalls), *timed,
+                              "--", "prefixmesh.services.scheduler"]
+            extra = {"PYTHONPATH": str(args.baseline.resolve())} if args.baseline else {}
             procs.append(ManagedProcess(
-                "scheduler", [sys.executable, "-m", "prefixmesh.services.scheduler"],
+                "scheduler", argv_sched,
                 env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
                               PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
                               PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",
                               # The fake workers' reports share this client's busy event
                               # loop: be lenient about their timing.
-                              PM_MISSED_REPORTS="40"),
+                              PM_MISSED_REPORTS="40", **extra),
                 log_path=tmp / "scheduler.log").start())
         import uvloop  # the client's own loop must not be the bottleneck
 

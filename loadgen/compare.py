@@ -247,8 +247,9 @@ class Running:
 
 
 def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], serial: int,
-                    log_dir: Path) -> Running:
-    """Start ``c`` in front of ``group``'s workers; returns when it serves."""
+                    log_dir: Path, env: dict[str, str] | None = None) -> Running:
+    """Start ``c`` in front of ``group``'s workers; returns when it serves. ``env``: more
+    environment for a prefixmesh mesh's services (e.g. PYTHONPATH of other code)."""
     if c.family == "prefixmesh":
         opts = MeshOptions(
             workers=0, external_workers=group.n, policy=c.policy, local_policy=c.local_policy,
@@ -258,7 +259,7 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
             # A fresh Redis key prefix: the scheduler must not reload an earlier run's tree.
             # The scheduler's policy clock runs in the workers' model time.
             extra_env={"PM_REDIS_PREFIX": f"cmp{serial}",
-                       "PM_TIME_SCALE": str(group.time_scale)})
+                       "PM_TIME_SCALE": str(group.time_scale), **(env or {})})
         mesh = LocalMesh(opts)
         try:
             mesh.start()
