@@ -184,9 +184,9 @@ class ResyncRequest(_Msg):
 
 
 class RouteBatchRequest(_Msg):
-    """Several routing requests in one message (subject ``sched.route``): what an edge has
-    to route while its earlier requests are still unanswered goes together, so a busy edge
-    pays one NATS message per batch instead of one per request. Decided in order."""
+    """Several routing requests in one message (subject ``sched.route``): what an edge
+    asks in one turn of its event loop goes together, so a busy edge pays one NATS message
+    per batch instead of one per request. Decided in order."""
 
     requests: list[TokenizedRequest]
 

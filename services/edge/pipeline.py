@@ -5,8 +5,10 @@ inbox subject (``stream.<edge_id>.*``) and are dispatched to per-request queues.
 
 Fewer hops where they cost: a short text prompt is tokenized in the edge itself
 (``LocalTokenizer``, the tokenizer service's own ``shared/text/requests.handle``), a long
-one by the tokenizer service; token-id prompts skip tokenization; routing requests made
-while earlier ones are unanswered go to the scheduler together (``RequestBatcher``).
+one by the tokenizer service; token-id prompts skip tokenization; a short prompt reaches
+its worker through the scheduler in one hop (``sched.place``); the routing requests of
+longer ones asked in one turn of the event loop go to the scheduler together
+(``RequestBatcher``).
 
 Worker failover (docs/design.md section 12): while a request waits on its worker, the edge
 watches that worker's load reports (``WorkerDirectory``). A worker silent for

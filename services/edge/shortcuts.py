@@ -27,8 +27,8 @@ class LocalTokenizer:
 class Shortcuts:
     """The hops the edge saves (docs/architecture.md, "A request, file by file")."""
 
-    # Routing requests made while earlier ones are unanswered go together (max_batch 1:
-    # one message each).
+    # Routing requests asked in one turn of the event loop go together (max_batch 1: one
+    # message each).
     route_batch: BatchLimits
     # Prompts of at most this many tokens go to the scheduler whole (``sched.place``): it
     # hands them to the chosen worker itself, one hop less than route, then submit; longer
