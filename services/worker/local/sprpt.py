@@ -13,7 +13,13 @@ produced fewer than ``floor(c * r)`` output tokens, ``r`` its initial prediction
 than it saves (its KV is large, its remaining time small). ``preempt`` pairs the shortest
 waiting requests, in admission order, with the running requests inside their window that
 have the longest keys, evicting one only when the waiting request's key is strictly
-shorter and the engine has no free sequence slot or KV memory for it.
+shorter and the engine has no free sequence slot or KV memory for it. The ``sim`` and ``hf``
+engines call it before each step; a victim goes back into the waiting heap (``push``).
+
+Refinement (``update_prediction``, the worker's TRAIL refiner on ``hf``, recorded readings
+in the simulator) re-ranks both sets: a waiting request is re-inserted in the heap at once,
+and a running one, whose key ``preempt`` reads afresh at every call, may become (or stop
+being) the victim at the next step; a preempted request waits with its latest reading.
 
 Cost: the waiting set is a binary heap with lazy deletion (stale entries are skipped and
 the heap is rebuilt when they outnumber live ones), so push, remove and re-rank are
