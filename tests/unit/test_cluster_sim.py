@@ -243,6 +243,25 @@ def test_run_counts_the_engines_preemptions() -> None:
     assert srpt.preemptions >= 1
     # The short requests no longer wait for the long one to finish.
     assert max(r.latency_s for r in srpt.results[1:]) < min(r.latency_s for r in fcfs.results[1:])
+    # Its prompt stayed cached: resuming it recomputed only its tail block, so at most 16
+    # prefill tokens per preemption went into recompute. Both ran the same work otherwise.
+    extra = srpt.prefill_tokens - fcfs.prefill_tokens
+    assert 0 < extra <= 16 * srpt.preemptions
+    assert fcfs.prefill_tokens == 64 * 4 and 0 < fcfs.busy_s <= srpt.busy_s
+
+
+def test_sim_verb_sets_the_engine_limits(tmp_path) -> None:
+    out = tmp_path / "limits.json"
+    assert sim_main(["--gpus", "1", "--workload", "sharegpt", "--rates", "4",
+                     "--policies", "round_robin", "--local-policies", "fcfs",
+                     "--max-num-seqs", "2", "--num-blocks", "512", "--duration", "5",
+                     "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["max_num_seqs"] == 2 and row["num_blocks"] == 512
+    assert row["prefill_tokens"] > 0 and row["busy_s"] > 0
+    with pytest.raises(SystemExit, match="at least 1"):
+        sim_main(["--workload", "sharegpt", "--rates", "4", "--max-num-seqs", "0",
+                  "--json", str(out)])
 
 
 def test_summary_counts_the_failed_requests_messages() -> None:
