@@ -78,12 +78,14 @@ async def loop(loaded: HfEngine, tok: TextTokenizer) -> AsyncIterator[Loop]:
                       make_local_policy("sprpt_limited"), tok)
     engine.model, engine.pool = loaded.model, loaded.pool
     harness = Loop(engine)
-    task = asyncio.create_task(engine.run(harness.emit, harness.publish))
-    yield harness
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    engine.close()
+    runner = asyncio.create_task(engine.run(harness.emit, harness.publish))
+    try:
+        yield harness
+    finally:  # stop the loop, then its forward-pass thread
+        runner.cancel()
+        await asyncio.wait([runner])
+        engine.close()
+    assert runner.cancelled()  # the loop ran until stopped; it never failed
 
 
 async def test_preempted_request_resumes_from_cache_with_the_same_output(
