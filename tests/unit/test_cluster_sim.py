@@ -273,3 +273,27 @@ def test_summary_counts_the_failed_requests_messages() -> None:
     assert row["failed"] == 3
     assert row["errors"] == {"HTTP 503: generation failed: worker_lost": 2, "unknown": 1}
     assert "errors" not in summarize(results[:1], 1.0)
+
+
+def test_trail_report_averages_seeds_and_pairs_preemption_on_and_off() -> None:
+    from prefixmesh.loadgen.trail_report import report
+
+    def row(local: str, seed: int, avg: float, pred: str = "oracle", **kw) -> dict:
+        return {"workload": "sharegpt", "gpus": 1, "max_num_seqs": 16, "rate": 4.0,
+                "seed": seed, "local_policy": local, "predictions": pred,
+                "latency_avg_s": avg, "ttft_avg_s": avg / 2, "throughput_rps": 2.0,
+                "preemptions": kw.get("pre", 0), "prefill_tokens": kw.get("prefill", 1000)}
+
+    runs = [row("fcfs", 0, 30.0, "none"), row("fcfs", 1, 10.0, "none"),
+            row("sprpt_limited", 0, 10.0, pre=8, prefill=1100),
+            row("sprpt_limited", 1, 10.0, pre=4, prefill=1100),
+            row("sprpt_limited:preempt_fraction=0", 0, 12.0),
+            row("sprpt_limited:preempt_fraction=0", 1, 10.0)]
+    text = report(runs)
+    assert "### sharegpt, 1 GPU(s), max_num_seqs 16" in text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("| 4 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # rate, load (4 / 2 req/s), seeds, then each variant: fcfs first, preemption off last.
+    assert cells[:6] == ["4", "2.00", "2", "20.00 / 10.00 / 0", "10.00 / 5.00 / 6",
+                         "11.00 / 5.50 / 0"]
+    assert cells[6:] == ["2.00", "1.82", "1.100; +10.0%"]
