@@ -90,7 +90,12 @@ def report(runs: Sequence[dict]) -> str:
         key = (r.get("workload"), r.get("gpus"), r.get("max_num_seqs"), r.get("num_blocks"))
         panels[key][float(r["rate"])][variant(r)].append(r)
     out = []
-    for (workload, gpus, seqs, blocks), points in sorted(panels.items(), key=lambda kv: str(kv[0])):
+    def order(key: tuple) -> tuple:  # by workload and GPUs, then the widest batch first
+        workload, gpus, seqs, blocks = key
+        return (str(workload), gpus or 0, -(seqs or 1 << 30), -(blocks or 1 << 30))
+
+    for (workload, gpus, seqs, blocks), points in sorted(panels.items(),
+                                                         key=lambda kv: order(kv[0])):
         limits = ", ".join(f"{k} {v}" for k, v in (("max_num_seqs", seqs), ("num_blocks", blocks))
                            if v is not None) or "the profile's limits"
         out.append(f"### {workload}, {gpus} GPU(s), {limits}\n\n{panel_table(points)}\n")
