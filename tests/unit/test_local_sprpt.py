@@ -180,3 +180,15 @@ def test_a_preempted_request_waits_with_its_latest_reading() -> None:
     policy.push(victim, 0.0)  # the engine preempted it
     policy.push(_req("mid", 200), 0.0)
     assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["mid", "victim"]
+
+
+def test_predictions_past_the_budget_count_as_the_budget() -> None:
+    policy = SprptPolicy()
+    view = FakeView()
+    capped = EngineRequest("capped", list(range(64)), max_tokens=50, predicted_output=400)
+    capped.output_token_ids.extend([7] * 10)
+    assert policy.remaining(capped) == 40  # 50 at most, 10 out
+    assert policy.preempt_window(capped) == 40  # floor(0.8 * 50)
+    policy.push(capped, 0.0)
+    policy.push(_req("p60", 60), 0.0)  # max_tokens 4096: 60 left
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["capped", "p60"]

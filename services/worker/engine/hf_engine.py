@@ -33,6 +33,7 @@ it recomputes only the blocks evicted meanwhile and its last partial block.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import zlib
@@ -458,7 +459,12 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -
     del cost  # real kernels: the cost model does not time anything here
     loop = asyncio.get_running_loop()
     tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
-    engine = HfEngine(HfEngineConfig(), policy, tok)
+    if cfg.max_num_seqs < 0:
+        raise SystemExit("--max-num-seqs must be at least 0 (0: the hf engine's default)")
+    limits = HfEngineConfig()
+    if cfg.max_num_seqs:
+        limits = dataclasses.replace(limits, max_num_seqs=cfg.max_num_seqs)
+    engine = HfEngine(limits, policy, tok)
     try:
         if cfg.probe_model:  # TRAIL refinement: a probe on the engine's hidden states
             from prefixmesh.services.worker.refiner import attach_refiner
