@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -152,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         raise SystemExit(f"--seeds: expected comma-separated integers, got {args.seeds!r}"
                          ) from None
+    # A TERM (not only Ctrl-C) stops the meshes too: SystemExit unwinds their context.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = []
     count = max(1, round(args.rate * args.duration))
     for seed in seeds:
