@@ -12,11 +12,11 @@ produced fewer than ``floor(c * r)`` output tokens, ``r`` its initial prediction
 (``predicted_output``, else ``default_prediction``, at most ``max_tokens``) and ``c`` =
 ``preempt_fraction`` (TRAIL's 0.8). Past that window it is close enough to done that
 evicting it costs more than it saves (its KV is large, its remaining time small).
-``preempt`` pairs the shortest
-waiting requests, in admission order, with the running requests inside their window that
-have the longest keys, evicting one only when the waiting request's key is strictly
-shorter and the engine has no free sequence slot or KV memory for it. The ``sim`` and ``hf``
-engines call it before each step; a victim goes back into the waiting heap (``push``).
+``preempt`` pairs the shortest waiting requests, in admission order, with the running
+requests inside their window that have the longest keys, evicting one only when the
+waiting request's key is strictly shorter and the engine has no free sequence slot or KV
+memory for it. The ``sim`` and ``hf`` engines call it before each step; a victim goes back
+into the waiting heap (``push``).
 
 Refinement (``update_prediction``, the worker's TRAIL refiner on ``hf``, recorded readings
 in the simulator) re-ranks both sets: a waiting request is re-inserted in the heap at once,
