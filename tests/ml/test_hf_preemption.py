@@ -128,15 +128,16 @@ async def test_preempted_request_resumes_from_cache_with_the_same_output(
 async def test_a_refined_prediction_makes_a_running_request_the_victim(
         loop: Loop, tok: TextTokenizer) -> None:
     eng = loop.engine
-    # Initially predicted at 30 tokens (preemptable for its first 24), so a waiting request
-    # predicted at 40 does not preempt it ...
-    long = loop.add("long", tok.encode(STORY), max_tokens=30, predicted=30)
+    # Initially predicted at 10 tokens (preemptable for its first 8), so a waiting request
+    # predicted at 20 does not preempt it ...
+    long = loop.add("long", tok.encode(STORY), max_tokens=60, predicted=10)
     await loop.until(lambda: long.num_output_tokens >= 2)
-    loop.add("short", tok.encode("Say hello."), max_tokens=3, predicted=40)
+    loop.add("short", tok.encode("Say hello."), max_tokens=20, predicted=20)
     await loop.until(lambda: long.num_output_tokens >= 4)
     assert long.num_preemptions == 0 and long.status is RequestStatus.RUNNING
-    # ... until a reading (what the worker's TRAIL refiner passes on) says it has 200 left.
+    # ... until a reading (what the worker's TRAIL refiner passes on) says it has 200 left:
+    # 60 - 4 at most (its budget), longer than the waiting one's 20.
     assert eng.update_prediction("long", 200.0)
     await loop.until(lambda: "long" in loop.finished)
     assert loop.finished == ["short", "long"]
-    assert long.num_preemptions == 1 and long.num_output_tokens == 30
+    assert long.num_preemptions == 1 and long.num_output_tokens == 60
