@@ -65,9 +65,11 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str,
 
 async def run_open_loop(url: str, model: str, requests: Sequence[WorkloadRequest],
                         arrivals: Sequence[float], timeout_s: float = DEFAULT_TIMEOUT_S,
-                        on_done: Callable[[RequestResult], None] | None = None
-                        ) -> tuple[list[RequestResult], float]:
-    """Replay ``requests`` at ``arrivals`` (seconds); returns results and the wall duration."""
+                        on_done: Callable[[RequestResult], None] | None = None,
+                        ignore_eos: bool = True) -> tuple[list[RequestResult], float]:
+    """Replay ``requests`` at ``arrivals`` (seconds); returns results and the wall duration.
+    ``ignore_eos``: every request generates its ``max_tokens`` (False: until the model's end
+    token, at most ``max_tokens``)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -77,7 +79,7 @@ async def run_open_loop(url: str, model: str, requests: Sequence[WorkloadRequest
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             # How late the send is: a client that cannot keep up offers less than its rate.
             lag = max(time.perf_counter() - start - at, 0.0)
-            res = await send_one(session, url, model, req)
+            res = await send_one(session, url, model, req, ignore_eos)
             res.send_lag_s = lag
             if on_done is not None:
                 on_done(res)

@@ -89,6 +89,10 @@ class SimRun:
     worker_requests: dict[str, int] = field(default_factory=dict)
     # Running requests preempted (by recompute), all engines together.
     preemptions: int = 0
+    # Tokens computed as prefill, recompute after preemption included (all engines), and
+    # the engines' busy time (modelled seconds of steps, summed over engines).
+    prefill_tokens: int = 0
+    busy_s: float = 0.0
 
 
 def token_prompt(req: WorkloadRequest) -> list[int]:
@@ -185,7 +189,8 @@ class ClusterSim:
         last_arrival = max(arrivals, default=0.0)
         deadline = last_arrival + self.cfg.drain_limit_s
         pending = len(requests)
-        steps = 0
+        steps = prefill_tokens = 0
+        busy_s = 0.0
         now = 0.0
         while self._heap and pending:
             now, kind, _, payload = heapq.heappop(self._heap)
@@ -223,6 +228,8 @@ class ClusterSim:
                 plan, self.plans[w] = self.plans[w], None
                 assert plan is not None  # a step event is pushed with its plan (_kick)
                 steps += 1
+                prefill_tokens += plan.prefill_tokens
+                busy_s += plan.duration
                 finished = engine.finish_step(plan, now, finished_only=True)
                 if self.refiner is not None:
                     self.refiner.after_step(engine, plan.requests)
@@ -254,4 +261,5 @@ class ClusterSim:
         return SimRun(results=results, duration_s=max(now - first, 1e-9),
                       wall_s=time.perf_counter() - wall0, steps=steps, decisions=decisions,
                       worker_requests=per_worker,
-                      preemptions=sum(e.stats(now).preemptions for e in self.engines.values()))
+                      preemptions=sum(e.stats(now).preemptions for e in self.engines.values()),
+                      prefill_tokens=prefill_tokens, busy_s=busy_s)

@@ -29,8 +29,9 @@ from prefixmesh.loadgen.trail_preds import (
 )
 from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
+from prefixmesh.services.worker.engine.types import SimEngineConfig
 from prefixmesh.services.worker.local import LOCAL_POLICIES
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel, available_profiles
 
 
 def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
@@ -48,7 +49,11 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
     row.update(mode="virtual", profile=cfg.profile, virtual_s=round(run.duration_s, 3),
                wall_s=round(run.wall_s, 3), steps=run.steps, decisions=run.decisions,
                worker_requests=run.worker_requests, preemptions=run.preemptions,
+               prefill_tokens=run.prefill_tokens, busy_s=round(run.busy_s, 3),
                predictions=cfg.predictions)
+    if cfg.engine_config is not None:
+        row.update(max_num_seqs=cfg.engine_config.max_num_seqs,
+                   num_blocks=cfg.engine_config.num_blocks)
     return row
 
 
@@ -60,7 +65,8 @@ PREDICTION_BLIND = frozenset({"fcfs"})
 def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Sequence[str],
           local_policies: Sequence[str], profile: str, duration_s: float,
           progress: bool = True, predictions: str | Sequence[str] = "none",
-          trail: TrailPredictions | None = None) -> list[dict]:
+          trail: TrailPredictions | None = None,
+          engine: SimEngineConfig | None = None) -> list[dict]:
     """Every (rate, policy, local policy, predictions) point over the same seeded requests
     and arrivals.
 
@@ -68,7 +74,8 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
     ``sprpt_limited:preempt_fraction=0``; see ``prefixmesh.loadgen.policy_variants``).
     With ``trail`` (the trained predictor's outputs) the requests are the ``sharegpt``
     conversations it predicted, with their predicted replies' lengths when those were
-    SmolLM2's own (``prefixmesh.loadgen.trail_preds``).
+    SmolLM2's own (``prefixmesh.loadgen.trail_preds``). ``engine`` overrides the profile's
+    engine limits (sequence slots, KV blocks).
     """
     variants = [parse_variant(p) for p in policies]
     local_variants = [parse_local_variant(p) for p in local_policies]
@@ -90,7 +97,8 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
             for lv, mode in runs:
                 cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=lv.policy,
                                     local_config=lv.config, profile=profile,
-                                    policy_config=v.config, predictions=mode, trail=trail)
+                                    policy_config=v.config, predictions=mode, trail=trail,
+                                    engine_config=engine)
                 row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label,
                                lv.label)
                 row["seed"] = spec.seed
@@ -126,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the predictor's outputs (prefixmesh predictor eval --preds); the "
                    "sharegpt requests are then the conversations it predicted, with "
                    "SmolLM2's reply lengths if it was trained on them (--replies model)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests each simulated GPU runs at once (default: the profile's, "
+                   "256 for the shipped ones)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks of 16 tokens per simulated GPU (default: the profile's "
+                   "KV capacity)")
     p.add_argument("--duration", type=float, default=120.0,
                    help="seconds of arrivals per run (requests = rate x duration)")
     p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
@@ -152,9 +166,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--predictions initial/refined and --predictions-file go together")
     trail = None if args.predictions_file is None else TrailPredictions.load(
         args.predictions_file)
+    engine = None
+    if args.max_num_seqs is not None or args.num_blocks is not None:
+        if min(v for v in (args.max_num_seqs, args.num_blocks) if v is not None) < 1:
+            raise SystemExit("--max-num-seqs and --num-blocks must be at least 1")
+        tokens = CostModel.load(args.profile).max_batched_tokens
+        if (args.max_num_seqs or 0) > tokens:
+            raise SystemExit(f"--max-num-seqs must not exceed the profile's {tokens} tokens "
+                             "batched per step")
+        engine = SimEngineConfig(max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
     rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
                  policies, locals_, args.profile, args.duration,
-                 predictions=modes, trail=trail)
+                 predictions=modes, trail=trail, engine=engine)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"runs": rows}, indent=1))
     print(f"wrote {len(rows)} runs to {args.json}")

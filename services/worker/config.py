@@ -38,6 +38,9 @@ class WorkerConfig(CommonConfig):
                             "port beside the mesh subjects (0 = no HTTP)")
     max_model_len: int = option(0, "longest prompt + max_tokens accepted (tokens; 0 = the "
                                 "served model's context length, shared/models.py)")
+    max_num_seqs: int = option(0, "hf: requests run at once, interleaved one forward pass "
+                               "each (0 = the engine's default, 8); the sim takes its "
+                               "profile's")
     probe_model: str = option("", "hf: predictor artifact folder whose probe refines each "
                               "request's remaining length in-process (TRAIL; read by "
                               "sprpt_limited); empty = no refinement")

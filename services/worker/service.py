@@ -71,6 +71,9 @@ QUEUE_TIME = Histogram("prefixmesh_worker_queue_seconds", "time a request waited
 # KV blocks the engine evicted (BlockRemoved events): zero until the prefix cache is full.
 KV_EVICTED = Counter("prefixmesh_worker_kv_blocks_evicted_total",
                      "KV cache blocks evicted (BlockRemoved events published)", ["worker"])
+# Running requests preempted (by the local policy, or for KV memory), recomputed on resume.
+PREEMPTIONS = Counter("prefixmesh_worker_preemptions_total",
+                      "running requests preempted (resumed later by recompute)", ["worker"])
 RESUMES = Counter("prefixmesh_worker_stream_resumes_total",
                   "streams resent on an edge's ResumeRequest", ["worker"])
 # Drain polls the engine this often (seconds).
@@ -135,6 +138,7 @@ class WorkerService:
         self.bus: Bus | None = None  # None without the mesh (HTTP-only worker)
         self.live: dict[str, _Live] = {}
         self.kv_seq = 0
+        self._preemptions = 0  # the engine's count when PREEMPTIONS was last brought level
         self._subs: list[Subscription] = []
         self._accepting = True
         # Streams of requests that ended lately, for a late ResumeRequest (replay.py).
@@ -337,8 +341,11 @@ class WorkerService:
     async def _load_loop(self, bus: Bus) -> None:
         while True:
             await self._expire(time.time())
-            report = load_report(self.worker_id, self.engine.stats(self.engine.now()),
-                                 time.time(), self.cfg.backend, self.model.name, self.kv_seq)
+            stats = self.engine.stats(self.engine.now())
+            PREEMPTIONS.labels(self.worker_id).inc(stats.preemptions - self._preemptions)
+            self._preemptions = stats.preemptions
+            report = load_report(self.worker_id, stats, time.time(), self.cfg.backend,
+                                 self.model.name, self.kv_seq)
             await bus.publish(bus.subjects.load(self.worker_id), report)
             await asyncio.sleep(self.cfg.load_interval_s)
 

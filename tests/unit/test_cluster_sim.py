@@ -243,6 +243,25 @@ def test_run_counts_the_engines_preemptions() -> None:
     assert srpt.preemptions >= 1
     # The short requests no longer wait for the long one to finish.
     assert max(r.latency_s for r in srpt.results[1:]) < min(r.latency_s for r in fcfs.results[1:])
+    # Its prompt stayed cached: resuming it recomputed only its tail block, so at most 16
+    # prefill tokens per preemption went into recompute. Both ran the same work otherwise.
+    extra = srpt.prefill_tokens - fcfs.prefill_tokens
+    assert 0 < extra <= 16 * srpt.preemptions
+    assert fcfs.prefill_tokens == 64 * 4 and 0 < fcfs.busy_s <= srpt.busy_s
+
+
+def test_sim_verb_sets_the_engine_limits(tmp_path) -> None:
+    out = tmp_path / "limits.json"
+    assert sim_main(["--gpus", "1", "--workload", "sharegpt", "--rates", "4",
+                     "--policies", "round_robin", "--local-policies", "fcfs",
+                     "--max-num-seqs", "2", "--num-blocks", "512", "--duration", "5",
+                     "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["max_num_seqs"] == 2 and row["num_blocks"] == 512
+    assert row["prefill_tokens"] > 0 and row["busy_s"] > 0
+    with pytest.raises(SystemExit, match="at least 1"):
+        sim_main(["--workload", "sharegpt", "--rates", "4", "--max-num-seqs", "0",
+                  "--json", str(out)])
 
 
 def test_summary_counts_the_failed_requests_messages() -> None:
@@ -254,3 +273,27 @@ def test_summary_counts_the_failed_requests_messages() -> None:
     assert row["failed"] == 3
     assert row["errors"] == {"HTTP 503: generation failed: worker_lost": 2, "unknown": 1}
     assert "errors" not in summarize(results[:1], 1.0)
+
+
+def test_trail_report_averages_seeds_and_pairs_preemption_on_and_off() -> None:
+    from prefixmesh.loadgen.trail_report import report
+
+    def row(local: str, seed: int, avg: float, pred: str = "oracle", **kw) -> dict:
+        return {"workload": "sharegpt", "gpus": 1, "max_num_seqs": 16, "rate": 4.0,
+                "seed": seed, "local_policy": local, "predictions": pred,
+                "latency_avg_s": avg, "ttft_avg_s": avg / 2, "throughput_rps": 2.0,
+                "preemptions": kw.get("pre", 0), "prefill_tokens": kw.get("prefill", 1000)}
+
+    runs = [row("fcfs", 0, 30.0, "none"), row("fcfs", 1, 10.0, "none"),
+            row("sprpt_limited", 0, 10.0, pre=8, prefill=1100),
+            row("sprpt_limited", 1, 10.0, pre=4, prefill=1100),
+            row("sprpt_limited:preempt_fraction=0", 0, 12.0),
+            row("sprpt_limited:preempt_fraction=0", 1, 10.0)]
+    text = report(runs)
+    assert "### sharegpt, 1 GPU(s), max_num_seqs 16" in text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("| 4 |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # rate, load (4 / 2 req/s), seeds, then each variant: fcfs first, preemption off last.
+    assert cells[:6] == ["4", "2.00", "2", "20.00 / 10.00 / 0", "10.00 / 5.00 / 6",
+                         "11.00 / 5.50 / 0"]
+    assert cells[6:] == ["2.00", "1.82", "1.100; +10.0%"]

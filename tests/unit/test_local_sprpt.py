@@ -155,3 +155,40 @@ def test_on_the_engine_a_short_request_preempts_a_long_one_only_early(
     assert (short_done < long_done_at) is preempted
     assert done["long"].num_preemptions == int(preempted)
     assert done["long"].num_output_tokens == 100
+
+
+def test_a_reading_on_a_running_request_changes_the_victim() -> None:
+    policy = SprptPolicy()
+    a, b = _req("a", 600, blocks=10), _req("b", 500, blocks=10)
+    policy.push(_req("w", 100), 0.0)
+    view = FakeView(max_num_seqs=2)  # both slots taken
+    assert request_ids(policy.preempt(0.0, [a, b], view)) == ["a"]
+    # The probe now reads b as the longer one (and a as nearly done): b becomes the victim.
+    policy.update_prediction(b, 900)
+    policy.update_prediction(a, 50)
+    assert request_ids(policy.preempt(0.0, [a, b], view)) == ["b"]
+    # A reading that makes every running request shorter than the waiting one: no victim.
+    policy.update_prediction(b, 80)
+    assert policy.preempt(0.0, [a, b], view) == []
+
+
+def test_a_preempted_request_waits_with_its_latest_reading() -> None:
+    policy = SprptPolicy()
+    view = FakeView()
+    victim = _req("victim", 100, generated=20)  # initial: 80 left
+    policy.update_prediction(victim, 300)  # read while it ran: 300 left
+    policy.push(victim, 0.0)  # the engine preempted it
+    policy.push(_req("mid", 200), 0.0)
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["mid", "victim"]
+
+
+def test_predictions_past_the_budget_count_as_the_budget() -> None:
+    policy = SprptPolicy()
+    view = FakeView()
+    capped = EngineRequest("capped", list(range(64)), max_tokens=50, predicted_output=400)
+    capped.output_token_ids.extend([7] * 10)
+    assert policy.remaining(capped) == 40  # 50 at most, 10 out
+    assert policy.preempt_window(capped) == 40  # floor(0.8 * 50)
+    policy.push(capped, 0.0)
+    policy.push(_req("p60", 60), 0.0)  # max_tokens 4096: 60 left
+    assert request_ids(policy.select(0.0, 10, UNLIMITED, view)) == ["capped", "p60"]

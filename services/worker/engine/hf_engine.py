@@ -22,11 +22,18 @@ keeps running from its own KV and just stops adding blocks.
 
 At each step that samples a token, the hidden state of layer ``hidden_layer`` at the last
 position is handed to ``on_hidden`` (the worker's TRAIL refiner), if one is set.
+
+Before each forward pass, while requests wait, the local policy may name running requests
+to preempt (``LocalPolicy.preempt``: ``sprpt_limited``'s limited preemption). A preempted
+request drops its own KV and waits again with its sampler and detokenizer as they were;
+its full blocks stay in the prefix cache (unreferenced, so evictable), and on resumption
+it recomputes only the blocks evicted meanwhile and its last partial block.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import zlib
@@ -127,6 +134,7 @@ class HfEngine(QueuedEngine, CachedEngine):
         self.pool: KvPool | None = None
         self._stop_ids = {i for i in (tok.eos_token_id, *EXTRA_STOP_IDS) if i is not None}
         self._running: list[_Seq] = []
+        self._preemptions = 0  # running requests preempted since start
         self._next = 0  # round-robin cursor over the turns (``_pick``)
         self._next_unslotted = 0  # and over the running requests without a slot
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
@@ -200,7 +208,7 @@ class HfEngine(QueuedEngine, CachedEngine):
             self._step_win, self._admit_win, now, self._requests.values(),
             running=len(self._running), waiting=len(self.policy),
             free_blocks=self.cache.num_free, total_blocks=self.cache.num_blocks,
-            block_size=BLOCK_SIZE)
+            block_size=BLOCK_SIZE, preemptions=self._preemptions)
 
     # ------------------------------------------------------------------ running
 
@@ -210,7 +218,9 @@ class HfEngine(QueuedEngine, CachedEngine):
         assert self.model is not None, "load() first"
         loop = asyncio.get_running_loop()
         while True:
-            self._admit(time.monotonic())
+            now = time.monotonic()
+            self._preempt(now)
+            self._admit(now)
             if not self._running:
                 await publish_kv(self.take_kv_events())
                 self._wake.clear()
@@ -254,28 +264,54 @@ class HfEngine(QueuedEngine, CachedEngine):
         self._next_unslotted += 1
         return rest[self._next_unslotted % len(rest)]
 
-    def _start(self, req: EngineRequest, now: float) -> None:
-        """Admit ``req``: reference its cached prefix (``_forward`` gathers its KV)."""
-        import torch
+    def _preempt(self, now: float) -> None:
+        """Preempt the running requests the local policy names for shorter waiting ones."""
+        if not len(self.policy) or not self._running:
+            return
+        for req in self.policy.preempt(now, [s.req for s in self._running], self):
+            seq = next(s for s in self._running if s.req is req)
+            self._drop(seq)  # its full blocks stay cached, unreferenced
+            seq.caching = True
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = req.num_stored_blocks = 0
+            req.num_preemptions += 1
+            self._preemptions += 1
+            self._sampling[req.request_id] = seq  # resumed as it was (_start)
+            self.policy.push(req, now)  # back in the policy's own order
 
+    def _start(self, req: EngineRequest, now: float) -> None:
+        """Admit or resume ``req``: reference its cached prefix (``_forward`` gathers its
+        KV)."""
         bs = BLOCK_SIZE
         hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
         self.cache.acquire(hits, 0)  # references only: never fails
-        sampling = self._sampling.pop(req.request_id)
-        gen = torch.Generator().manual_seed(
-            sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
-        detok = IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids)
-        # Its KV is gathered from the pool by its first forward pass, on the executor: a
-        # group admitted at once would otherwise copy every member's prefix on the loop.
-        seq = _Seq(req, sampling, detok, gen, blocks=list(hits))
+        # A waiting request's state: its sampling parameters when new, its _Seq (sampler,
+        # detokenizer, text so far) when it was preempted. Its KV is gathered from the pool
+        # by its first forward pass, on the executor: a group admitted at once would
+        # otherwise copy every member's prefix on the loop.
+        state = self._sampling.pop(req.request_id)
+        seq = state if isinstance(state, _Seq) else self._new_seq(req, state)
+        seq.blocks = list(hits)
         cached = len(hits) * bs
         req.num_computed_tokens = cached
         req.num_stored_blocks = len(hits)
         req.status = RequestStatus.RUNNING
-        req.first_scheduled = now
-        req.num_cached_tokens = cached
-        self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)
+        if seq is state:
+            req.num_resumed_cached_tokens = cached
+        else:
+            req.first_scheduled = now
+            req.num_cached_tokens = cached
+            self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)
         self._running.append(seq)
+
+    def _new_seq(self, req: EngineRequest, sampling: SamplingParams) -> _Seq:
+        """A new request's model state: its seeded sampler and detokenizer."""
+        import torch
+
+        gen = torch.Generator().manual_seed(
+            sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
+        detok = IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids)
+        return _Seq(req, sampling, detok, gen)
 
     def _chunk(self, seq: _Seq) -> int:
         """Tokens the next forward pass of ``seq`` computes (>= 1)."""
@@ -423,7 +459,12 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -
     del cost  # real kernels: the cost model does not time anything here
     loop = asyncio.get_running_loop()
     tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
-    engine = HfEngine(HfEngineConfig(), policy, tok)
+    if cfg.max_num_seqs < 0:
+        raise SystemExit("--max-num-seqs must be at least 0 (0: the hf engine's default)")
+    limits = HfEngineConfig()
+    if cfg.max_num_seqs:
+        limits = dataclasses.replace(limits, max_num_seqs=cfg.max_num_seqs)
+    engine = HfEngine(limits, policy, tok)
     try:
         if cfg.probe_model:  # TRAIL refinement: a probe on the engine's hidden states
             from prefixmesh.services.worker.refiner import attach_refiner

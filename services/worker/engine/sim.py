@@ -375,6 +375,8 @@ class SimEngine(CachedEngine):
             req.first_scheduled = now
             req.num_cached_tokens = cached
             self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)
+        else:  # resumed after a preemption
+            req.num_resumed_cached_tokens = cached
         plan.requests.append(req)
         plan.batch.append((n, cached + n))
         plan.prefill_tokens += n

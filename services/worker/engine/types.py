@@ -83,6 +83,9 @@ class EngineRequest:
     # Leading entries of block_ids already registered in the prefix cache.
     num_stored_blocks: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
+    # Tokens (prompt and output) served from the prefix cache when the request last resumed
+    # after a preemption; the rest of its known tokens were recomputed (-1 = never resumed).
+    num_resumed_cached_tokens: int = field(default=-1, init=False)
     # Latest refined prediction of total output tokens: tokens generated when it came plus
     # the remaining tokens then predicted (LocalPolicy.update_prediction; the worker
     # refines as the engine exposes hidden states). 0 = none: use predicted_output.

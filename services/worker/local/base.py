@@ -133,7 +133,8 @@ class LocalPolicy(Protocol):
         self, now: float, running: Sequence[EngineRequest], cache: EngineView
     ) -> list[EngineRequest]:
         """Running requests (from ``running``) the engine should preempt by recompute before
-        planning this step, to make room for waiting ones; called only while requests wait.
+        planning this step, to make room for waiting ones; called only while requests wait
+        (by the ``sim`` and ``hf`` engines; ``vllm`` schedules in vLLM itself).
         Unlike a step that ran out of KV memory, admissions still happen in that step.
         Default: none."""
         return []

@@ -3,17 +3,25 @@ preemption (docs/design.md section 6; TRAIL, "Don't Stop Me Now", section 4).
 
 Key of a request: its predicted remaining output tokens, ``p - num_output_tokens`` where
 ``p`` is the latest refinement (``refined_output``, set by ``update_prediction``) or else
-the initial prediction (``predicted_output``) or else ``default_prediction``; never below 0.
+the initial prediction (``predicted_output``) or else ``default_prediction``, at most the
+request's ``max_tokens`` (no reply outruns its budget); never below 0.
 Waiting requests are admitted smallest key first (ties: arrival order).
 
 Limited preemption: a running request may be preempted (by recompute) only while it has
 produced fewer than ``floor(c * r)`` output tokens, ``r`` its initial prediction
-(``predicted_output``, else ``default_prediction``) and ``c`` = ``preempt_fraction``
-(TRAIL's 0.8). Past that window it is close enough to done that evicting it costs more
-than it saves (its KV is large, its remaining time small). ``preempt`` pairs the shortest
-waiting requests, in admission order, with the running requests inside their window that
-have the longest keys, evicting one only when the waiting request's key is strictly
-shorter and the engine has no free sequence slot or KV memory for it.
+(``predicted_output``, else ``default_prediction``, at most ``max_tokens``) and ``c`` =
+``preempt_fraction`` (TRAIL's 0.8). Past that window it is close enough to done that
+evicting it costs more than it saves (its KV is large, its remaining time small).
+``preempt`` pairs the shortest waiting requests, in admission order, with the running
+requests inside their window that have the longest keys, evicting one only when the
+waiting request's key is strictly shorter and the engine has no free sequence slot or KV
+memory for it. The ``sim`` and ``hf`` engines call it before each step; a victim goes back
+into the waiting heap (``push``).
+
+Refinement (``update_prediction``, the worker's TRAIL refiner on ``hf``, recorded readings
+in the simulator) re-ranks both sets: a waiting request is re-inserted in the heap at once,
+and a running one, whose key ``preempt`` reads afresh at every call, may become (or stop
+being) the victim at the next step; a preempted request waits with its latest reading.
 
 Cost: the waiting set is a binary heap with lazy deletion (stale entries are skipped and
 the heap is rebuilt when they outnumber live ones), so push, remove and re-rank are
@@ -87,11 +95,11 @@ class SprptPolicy(LocalPolicy):
     def remaining(self, req: EngineRequest) -> float:
         """Predicted output tokens ``req`` has left (tokens, >= 0)."""
         total = req.refined_output or req.predicted_output or self.config.default_prediction
-        return max(total - req.num_output_tokens, 0.0)
+        return max(min(total, req.max_tokens) - req.num_output_tokens, 0.0)
 
     def preempt_window(self, req: EngineRequest) -> int:
         """Output tokens during which ``req`` may be preempted: floor(c * r)."""
-        r = req.predicted_output or self.config.default_prediction
+        r = min(req.predicted_output or self.config.default_prediction, req.max_tokens)
         return math.floor(self.config.preempt_fraction * r)
 
     def preemptable(self, req: EngineRequest) -> bool:
