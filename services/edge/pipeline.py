@@ -25,7 +25,7 @@ import msgspec
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
-from prefixmesh.shared.openai.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError, refusal_error
 from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     ROUTE_REPLY,
@@ -193,15 +193,19 @@ class MeshClient:
         return reply.worker_id
 
     async def _submit(self, worker_id: str, req: TokenizedRequest) -> str | None:
-        """Hand the request to a worker; returns None on success, else why it failed."""
+        """Hand the request to a worker; returns None on success, else why it failed (a
+        request the worker's backend cannot serve raises the client's 400 at once: every
+        worker of a model runs the same backend, so routing elsewhere cannot help)."""
         try:
             ack = await self.bus.request(self.bus.subjects.worker_submit(worker_id), req,
                                          SUBMIT_REPLY, self.timeouts.submit_s)
         except BusUnavailable as exc:
             return str(exc)
-        if not ack.accepted:
-            return ack.error.message if ack.error else "refused"
-        return None
+        if ack.accepted:
+            return None
+        if ack.error is not None and ack.error.code == "bad_request":
+            raise refusal_error(ack.error)
+        return ack.error.message if ack.error else "refused"
 
     def _judging_since(self) -> float:
         """Monotonic time from which a worker's silence counts: our own blindness (NATS

@@ -68,6 +68,7 @@ from prefixmesh.shared.openai.schema import (
     decode_body,
     parse_chat,
     parse_completion,
+    refusal_error,
 )
 from prefixmesh.shared.wire import (
     ErrorInfo,
@@ -85,10 +86,6 @@ SHUTDOWN_TIMEOUT_S = 2.0
 # SGLang's default max_new_tokens for /generate.
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # Refusal codes of WorkerService._submit -> (HTTP status, OpenAI error type).
-_REFUSALS = {"overloaded": (429, "rate_limit_error"), "bad_request": (400,
-             "invalid_request_error")}
-
-
 def _worker(request: web.Request) -> WorkerService:
     return request.app[WORKER]
 
@@ -137,10 +134,8 @@ async def _run(w: WorkerService, jobs: list[Choice], sampling: SamplingParams
                 request_id=j.request_id, token_ids=j.token_ids, sampling=sampling,
                 reply_to="", created=time.time()), sink)
             if not reply.accepted:
-                err = reply.error or ErrorInfo("refused", "unavailable", retriable=True)
-                status, kind = _REFUSALS.get(err.code, (503, "service_unavailable"))
-                raise ApiError(status, err.message, type=kind, code=err.code,
-                               headers={"Retry-After": "1"} if status != 400 else None)
+                raise refusal_error(reply.error or ErrorInfo("refused", "unavailable",
+                                                             retriable=True))
             submitted.append(j.request_id)
         pending = set(submitted)
         while pending:
