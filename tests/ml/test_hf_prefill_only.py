@@ -109,6 +109,22 @@ async def test_prefill_only_pass_equals_the_plain_forward(h: HfHarness,
     assert h.logprobs["decode"][0].logprob == pytest.approx(entry.logprob, abs=TOL)
 
 
+async def test_a_waiting_pass_reuses_the_prefix_a_pass_before_it_wrote(
+        h: HfHarness, tok: TextTokenizer) -> None:
+    eng = h.engine
+    a = tok.encode("Profile of reader A: sailing, tides, harbours and old maps. " * 30)
+    b = tok.encode("Profile of reader B: gardens, bees and the weather. " * 20)
+    posts = [tok.encode(f" Post {i}: a new chart of the bay. Engage? Answer:") for i in (1, 2)]
+    # Admitted together (fcfs takes all three at once); each takes its cached prefix at its
+    # own pass, so the second one of reader A finds the first one's blocks.
+    for rid, ids in (("a1", a + posts[0]), ("b1", b + posts[0]), ("a2", a + posts[1])):
+        eng.add(EngineRequest(request_id=rid, prompt_token_ids=ids, max_tokens=1),
+                time.monotonic(), SamplingParams(max_tokens=1, temperature=0.0))
+    await eventually(lambda: len(h.done) == 3, timeout=120)
+    assert h.done["a1"].num_cached_tokens == h.done["b1"].num_cached_tokens == 0
+    assert h.done["a2"].num_cached_tokens == len(a) // 16 * 16
+
+
 async def test_prompt_longer_than_the_pool_still_scores(h: HfHarness, tok: TextTokenizer) -> None:
     eng = h.engine
     ids = tok.encode("Tide tables for the northern coast, hour by hour. " * 160)[:2000]

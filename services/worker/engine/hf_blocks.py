@@ -1,5 +1,10 @@
 """The hf engine's prefix blocks: a running request's chain of KV blocks in the pool.
 
+A request starts from the longest cached prefix of its block hashes (``_attach_prefix``):
+at admission on the ordinary path; at its pass for a prefill-only request
+(``HfEngine._next_pass``), since the cache may have grown while it waited behind others
+(a request sharing its prefix may have just run).
+
 Every full 16-token block a request has computed is copied into the paged ``KvPool`` and
 registered in the ``BlockCache`` under its prefixmesh block hash (a ``BlockStored``
 event), after the blocks the request holds already. The ordinary path copies from the
@@ -14,14 +19,18 @@ from typing import Any
 
 from prefixmesh.services.worker.engine.block_cache import BlockCache
 from prefixmesh.services.worker.engine.kv_pool import KvPool
+from prefixmesh.services.worker.engine.window import SlidingSums
 from prefixmesh.shared.blocks import BLOCK_SIZE
 
 
 class BlockChains:
     """Mixin of ``HfEngine``: block chains of its running requests (``seq``: its ``_Seq``,
-    with ``req``, ``blocks``, ``caching`` and ``past``)."""
+    with ``req``, ``blocks``, ``pending``, ``prefill_only``, ``caching`` and ``past``)."""
 
     cache: BlockCache
+    model: Any
+    # Per first pass: (prompt tokens, cached tokens, queue seconds).
+    _admit_win: SlidingSums
 
     def _pool(self) -> KvPool:
         """The KV pool, built by load() before any request runs."""
@@ -70,3 +79,24 @@ class BlockChains:
         self.cache.store(seq.blocks, first, req.block_hashes[first:end], parent,
                          req.known_tokens(first * bs, end * bs))
         req.num_stored_blocks = end
+
+    def _attach_prefix(self, seq: Any, now: float) -> None:
+        """Reference ``seq``'s longest cached prefix (never its last token) and start from
+        it: the ordinary path gathers its KV into a DynamicCache, a prefill-only pass is
+        handed the pool blocks of its new full blocks (the rest of its KV is discarded)."""
+        from transformers import DynamicCache
+
+        req, bs = seq.req, BLOCK_SIZE
+        hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
+        self.cache.acquire(hits, 0)  # references only: never fails
+        seq.blocks = list(hits)
+        if seq.prefill_only:
+            seq.pending = self._new_blocks(seq, req.num_prompt_tokens // bs)
+        elif hits:
+            seq.past = DynamicCache(self._pool().gather(hits), config=self.model.config)
+        cached = len(hits) * bs
+        req.num_computed_tokens = cached
+        req.num_stored_blocks = len(hits)
+        req.first_scheduled = now
+        req.num_cached_tokens = cached
+        self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)

@@ -240,7 +240,7 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
                 continue
             seq = self._running[self._next % len(self._running)]
             self._next += 1
-            n = self._chunk(seq)
+            n = self._next_pass(seq)
             try:
                 result = await loop.run_in_executor(self._executor, self._forward, seq, n)
             except Exception:
@@ -263,31 +263,27 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
             self._start(req, now)
 
     def _start(self, req: EngineRequest, now: float) -> None:
-        """Admit ``req``: reference its cached prefix and build its KV from the pool."""
+        """Admit ``req``: reference its cached prefix and build its KV from the pool (a
+        prefill-only request does that at its pass, ``_next_pass``)."""
         import torch
-        from transformers import DynamicCache
 
-        bs = BLOCK_SIZE
-        hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
-        self.cache.acquire(hits, 0)  # references only: never fails
         sampling = self._sampling.pop(req.request_id)
         gen = torch.Generator().manual_seed(
             sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
         detok = IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids)
-        seq = _Seq(req, sampling, detok, gen, blocks=list(hits))
+        seq = _Seq(req, sampling, detok, gen)
         seq.prefill_only = self.hybrid is not None and req.max_tokens == 1
-        if seq.prefill_only:  # its pass writes its new full blocks; the rest is discarded
-            seq.pending = self._new_blocks(seq, req.num_prompt_tokens // bs)
-        elif hits:
-            seq.past = DynamicCache(self._pool().gather(hits), config=self.model.config)
-        cached = len(hits) * bs
-        req.num_computed_tokens = cached
-        req.num_stored_blocks = len(hits)
         req.status = RequestStatus.RUNNING
-        req.first_scheduled = now
-        req.num_cached_tokens = cached
-        self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)
+        if not seq.prefill_only:
+            self._attach_prefix(seq, now)
         self._running.append(seq)
+
+    def _next_pass(self, seq: _Seq) -> int:
+        """Tokens of ``seq``'s next forward pass; a prefill-only request takes its cached
+        prefix and its pool blocks now (the cache may have grown since its admission)."""
+        if seq.prefill_only and seq.req.num_cached_tokens < 0:
+            self._attach_prefix(seq, time.monotonic())
+        return self._chunk(seq)
 
     def _chunk(self, seq: _Seq) -> int:
         """Tokens the next forward pass of ``seq`` computes (>= 1): a prefill-only pass
@@ -365,13 +361,10 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
             self._finish(seq, reason, now)
         else:
             seq.text += text
-        logprobs = ([logprob_entry(picked, self._token_text)]
+        logprobs = ([logprob_entry(picked, self.tok)]
                     if picked is not None and seq.sampling.logprobs is not None else None)
         await emit(StepOutput(req.request_id, [token], reason is not None, reason,
                               req.num_cached_tokens, first, req), text, logprobs)
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id], skip_special_tokens=False)
 
     def _hit_stop(self, seq: _Seq, text: str) -> bool:
         full = seq.text + text

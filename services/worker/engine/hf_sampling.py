@@ -16,11 +16,11 @@ same token from an unrestricted completion of the same prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from prefixmesh.services.worker.engine.types import BadOption
+from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.wire import SamplingParams, TokenLogprob, TopLogprob
 
 
@@ -80,8 +80,12 @@ def _sample(logits: Any, s: SamplingParams, gen: Any) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def logprob_entry(p: Picked, text: Callable[[int], str]) -> TokenLogprob:
-    """The wire form of a picked token's log-probabilities; ``text`` names a token id."""
+def logprob_entry(p: Picked, tok: TextTokenizer) -> TokenLogprob:
+    """The wire form of a picked token's log-probabilities (each token's own text, special
+    tokens spelled out)."""
+    def text(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False)
+
     return TokenLogprob(p.token, text(p.token), p.logprob,
                         [TopLogprob(t, text(t), lp) for t, lp in p.top])
 
