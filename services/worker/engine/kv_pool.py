@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Blocks in the hf engine's pool by default: 16k tokens, 755 MB for SmolLM2-135M (737 KB a
+# block), resident only as blocks are written.
+DEFAULT_KV_BLOCKS = 1024
+
 
 class KvPool:
     """KV tensors of cached 16-token blocks, indexed by BlockCache block id.
