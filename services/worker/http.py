@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
@@ -43,7 +43,6 @@ from aiohttp.typedefs import Handler
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.openai.choices import (
     Choice,
-    ChoiceEvent,
     check_context,
     fan_out,
     first_of_prompt,
@@ -165,10 +164,9 @@ async def _openai(request: web.Request, parsed: ParsedRequest) -> web.StreamResp
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     headers = {"x-request-id": rid}
     async with aclosing(_run(w, jobs, parsed.sampling)) as events:
-        if parsed.stream:
-            first = await anext(events)  # refusals surface as HTTP errors, before the stream
-            resp, _ = await stream_choices(request, meta, parsed, _chain(first, events),
-                                           len(prompts), headers, time.monotonic())
+        if parsed.stream:  # a refusal raises before the stream opens: an HTTP error
+            resp, _ = await stream_choices(request, meta, parsed, events, len(prompts),
+                                           headers, time.monotonic())
             return resp
         want_logprobs = parsed.sampling.logprobs is not None
         results = {j.index: ChoiceResult.start(j.index, len(j.token_ids), want_logprobs)
@@ -181,13 +179,6 @@ async def _openai(request: web.Request, parsed: ParsedRequest) -> web.StreamResp
         usage.add(r, r.index in counted)
     return web.json_response(full_response(meta, list(results.values()), usage),
                              headers=headers)
-
-
-async def _chain(first: tuple[int, ChoiceEvent], rest: AsyncIterator[tuple[int, ChoiceEvent]]
-                 ) -> AsyncIterator[tuple[int, ChoiceEvent]]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

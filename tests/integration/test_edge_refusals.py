@@ -84,6 +84,10 @@ async def test_option_a_backend_cannot_serve_is_a_400_naming_it(
             assert err["error"]["param"] == "logprobs" and "logprobs" in err["error"]["message"]
             assert err["error"]["code"] == "bad_request"
             assert worker.submits == 1  # not retried on other workers: it cannot help
+            # Streamed, the refusal comes before the stream: an HTTP 400 too.
+            async with session.post(edge.url + "/v1/completions",
+                                    json={**body, "stream": True}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "logprobs"
     finally:
         reports.cancel()
         with contextlib.suppress(asyncio.CancelledError):
