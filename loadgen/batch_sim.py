@@ -7,6 +7,9 @@ time (first submission to last completion, virtual seconds) is compared:
 - ``planned``: the batch planner (``services/edge/batch_plan.py``: enlarged first-level prefix
   groups, ordered, placed on workers by E2's cost model) decides each request's worker and
   the submission order; workers run ``batch_groups`` (requests keep their ``batch_id``);
+- ``planned_count_capped``: the same, but batch requests hold sequence slots, so
+  ``max_num_seqs`` caps them as it caps ordinary traffic (request-count batching instead
+  of the KV token threshold);
 - ``e2_prefix_fair``: ordinary traffic (no ``batch_id``) under E2 + ``prefix_fair``;
 - ``rr_fcfs``: ordinary traffic under ``round_robin`` + ``fcfs`` (vLLM behind a plain
   load balancer).
@@ -30,6 +33,7 @@ from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, token_prom
 from prefixmesh.loadgen.workloads import WorkloadRequest, build_workload
 from prefixmesh.services.edge.batch_plan import BatchPlan, plan_batch
 from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
+from prefixmesh.services.worker.local import BatchGroupsConfig, LocalPolicyConfig
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 
 
@@ -41,10 +45,15 @@ class Mode:
     policy: str
     local_policy: str
     planned: bool = False
+    # The local policy's knobs (None: its defaults).
+    local_config: LocalPolicyConfig | None = None
 
 
 MODES = {
     "planned": Mode("planned", "batch_plan", "batch_groups", planned=True),
+    "planned_count_capped": Mode("planned_count_capped", "batch_plan", "batch_groups",
+                                 planned=True,
+                                 local_config=BatchGroupsConfig(batch_slots=True)),
     "e2_prefix_fair": Mode("e2_prefix_fair", "e2", "prefix_fair"),
     "rr_fcfs": Mode("rr_fcfs", "round_robin", "fcfs"),
 }
@@ -91,7 +100,8 @@ def run_mode(requests: Sequence[WorkloadRequest], gpus: int, mode: Mode, profile
              plan: BatchPlan | None = None) -> dict:
     """Simulate one mode; the row has the batch completion time and cache figures."""
     cfg = ClusterConfig(gpus=gpus, policy="round_robin" if mode.planned else mode.policy,
-                        local_policy=mode.local_policy, profile=profile)
+                        local_policy=mode.local_policy, local_config=mode.local_config,
+                        profile=profile)
     sim = ClusterSim(cfg)
     if mode.planned:
         plan = plan or plan_for(requests, gpus, sim.cost)
@@ -133,9 +143,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
     ax.bar([r["mode"] for r in runs], [r["makespan_s"] for r in runs],
-           color=["tab:green", "tab:blue", "tab:gray"][:len(runs)])
+           color=["tab:green", "tab:olive", "tab:blue", "tab:gray"][:len(runs)])
     for i, r in enumerate(runs):
         ax.text(i, r["makespan_s"], f'{r["makespan_s"]:.0f}s', ha="center", va="bottom")
     ax.set_ylabel("batch completion time (virtual s)")
@@ -154,6 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="workload seed")
     ap.add_argument("--doc-tokens", type=int, default=None,
                     help="tokens of each shared document (workload default when absent)")
+    ap.add_argument("--prefixes", type=int, default=None,
+                    help="shared documents, the requests spread evenly over them (workload "
+                    "default when absent: 4-16 requests each)")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {list(MODES)}")
     ap.add_argument("--json", type=Path, default=None, help="write the result here")
@@ -163,10 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}")
-    reqs = build_workload("batch", a.count, a.seed, doc_tokens=a.doc_tokens)
+    reqs = build_workload("batch", a.count, a.seed, doc_tokens=a.doc_tokens,
+                          prefixes=a.prefixes)
     result = compare(reqs, a.gpus, modes, a.profile)
     result["workload"] = {"name": "batch", "count": a.count, "seed": a.seed,
-                          "doc_tokens": a.doc_tokens}
+                          "doc_tokens": a.doc_tokens, "prefixes": a.prefixes}
     print(json.dumps(result, indent=2))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -215,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-fraction", type=float, default=0.8,
                    help="soak rate as a fraction of the measured capacity")
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of soak load")
-    p.add_argument("--warmup", default="auto",
-                   help="'auto' (until every worker's KV cache has filled, plus --settle) "
-                   "or seconds")
+    p.add_argument("--warmup", default="auto", help="'auto' (until every worker's KV cache "
+                   "has filled, plus --settle) or seconds")
     p.add_argument("--settle", type=float, default=180.0,
                    help="auto warm-up: seconds after the caches fill (one scheduler window)")
     p.add_argument("--min-window", type=float, default=300.0,

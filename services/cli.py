@@ -105,6 +105,12 @@ def _bench_scheduler(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _batch(argv: list[str]) -> int:
+    from prefixmesh.loadgen.batch_cli import main as batch_main
+
+    return batch_main(argv)
+
+
 def _predictor(argv: list[str]) -> int:
     from prefixmesh.loadgen.predictor.train import main as predictor_main
 
@@ -125,6 +131,8 @@ DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "compare": ("prefixmesh vs sglang-router / vllm-router in front of the same simulated "
                 "GPUs", _compare),
     "predictor": ("train / evaluate TRAIL's output-length predictor ([ml] extra)", _predictor),
+    "batch": ("offline batches: 'batch plan FILE.jsonl' shows the planner's groups and the "
+              "prefill tokens it saves, without running anything", _batch),
     "bench-scheduler": ("time the global policy's routing decisions (add --live for the "
                         "scheduler service over NATS)", _bench_scheduler),
 }

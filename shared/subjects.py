@@ -3,7 +3,7 @@ that tests and several clusters can share one NATS server; no other module spell
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_PREFIX = "pm"
 
@@ -12,74 +12,70 @@ TOKENIZER_GROUP = "tokenizer"
 PREDICTOR_GROUP = "predictor"
 SCHEDULER_GROUP = "scheduler"
 
+# The subjects that take no id, by attribute name: what follows the prefix.
+_FIXED = {
+    "tokenize": "tok.encode",  # tokenizer queue group: TokenizeRequest -> TokenizeReply
+    "predict_length": "predict.length",  # predictor queue group: output-length prediction
+    "route": "sched.route",  # scheduler: TokenizedRequest -> RouteReply
+    "kv_all": "kv.*",  # every worker's KV events
+    "load_all": "load.*",  # every worker's load reports
+    "done": "done",  # completion records (RequestDoneEvent), one per request
+    "batch_progress": "batch.progress",  # offline batches' progress
+    "sched_stats": "sched.stats",  # the active scheduler's summary (decisions, hot prefixes)
+}
+
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
     """All subject names under one prefix."""
 
     prefix: str = DEFAULT_PREFIX
+    # The fixed subjects (``_FIXED``), spelled out once the prefix is known.
+    tokenize: str = field(init=False)
+    predict_length: str = field(init=False)
+    route: str = field(init=False)
+    kv_all: str = field(init=False)
+    load_all: str = field(init=False)
+    done: str = field(init=False)
+    batch_progress: str = field(init=False)
+    sched_stats: str = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in " *>\t\r\n"):
             raise ValueError(f"invalid subject prefix {self.prefix!r}")
+        for name, rest in _FIXED.items():
+            object.__setattr__(self, name, f"{self.prefix}.{rest}")
 
-    @property
-    def tokenize(self) -> str:
-        return f"{self.prefix}.tok.encode"
-
-    @property
-    def predict_length(self) -> str:
-        return f"{self.prefix}.predict.length"
-
-    @property
-    def route(self) -> str:
-        return f"{self.prefix}.sched.route"
+    def _per(self, kind: str, id_: str, *rest: str) -> str:
+        """``prefix.kind.<id>[.rest...]``, the id validated as one subject token."""
+        return ".".join((self.prefix, kind, _token(id_), *rest))
 
     def worker_submit(self, worker_id: str) -> str:
-        return f"{self.prefix}.worker.{_token(worker_id)}.submit"
+        return self._per("worker", worker_id, "submit")
 
     def worker_abort(self, worker_id: str) -> str:
-        return f"{self.prefix}.worker.{_token(worker_id)}.abort"
+        return self._per("worker", worker_id, "abort")
 
     def worker_resync(self, worker_id: str) -> str:
-        return f"{self.prefix}.worker.{_token(worker_id)}.resync"
+        return self._per("worker", worker_id, "resync")
 
     def kv(self, worker_id: str) -> str:
-        return f"{self.prefix}.kv.{_token(worker_id)}"
-
-    @property
-    def kv_all(self) -> str:
-        return f"{self.prefix}.kv.*"
+        """One worker's KV events."""
+        return self._per("kv", worker_id)
 
     def load(self, worker_id: str) -> str:
-        return f"{self.prefix}.load.{_token(worker_id)}"
-
-    @property
-    def load_all(self) -> str:
-        return f"{self.prefix}.load.*"
-
-    @property
-    def done(self) -> str:
-        return f"{self.prefix}.done"
-
-    @property
-    def batch_progress(self) -> str:
-        return f"{self.prefix}.batch.progress"
-
-    @property
-    def sched_stats(self) -> str:
-        """The active scheduler's periodic summary (decision mix, hot prefixes)."""
-        return f"{self.prefix}.sched.stats"
+        """One worker's load reports."""
+        return self._per("load", worker_id)
 
     def control(self, name: str) -> str:
-        return f"{self.prefix}.control.{_token(name)}"
+        return self._per("control", name)
 
     def stream_inbox(self, edge_id: str) -> str:
         """Wildcard under which one edge receives its requests' token streams."""
-        return f"{self.prefix}.stream.{_token(edge_id)}.*"
+        return self._per("stream", edge_id, "*")
 
     def stream_reply(self, edge_id: str, request_id: str) -> str:
-        return f"{self.prefix}.stream.{_token(edge_id)}.{_token(request_id)}"
+        return self._per("stream", edge_id, _token(request_id))
 
 
 def _token(part: str) -> str:

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from prefixmesh.shared.trail.artifact import PredictorArtifact
 
 START_TIMEOUT_S = 30.0
+# Load-report interval of workers in service tests (seconds): fast, so load views and
+# failover settle in a fraction of a second.
+FAST_LOAD_INTERVAL_S = 0.05
 # Set by ``pytest --require-extras`` (tests/conftest.py; ``make test`` passes it).
 REQUIRE_EXTRAS_ENV = "PREFIXMESH_REQUIRE_EXTRAS"
 

@@ -27,7 +27,6 @@ from prefixmesh.loadgen.workloads.sources import loogle_documents
 BATCH_INSTRUCTION = "Read the document and answer the question that follows.\n\n"
 BATCH_QUESTION = "\n\nQuestion: "
 BATCH_ANSWER = "\nAnswer: "
-DEFAULT_DOC_TOKENS = 2000
 MIN_GROUP = 4
 MAX_GROUP = 16
 MAX_ANSWER_TOKENS = 35
@@ -39,7 +38,7 @@ class BatchOptions(WorkloadOptions):
     each); ``doc_tokens``: document length; ``jobs``: batch jobs the groups are dealt to.
     ``zipf`` does not apply (group sizes are the skew)."""
 
-    doc_tokens: int = DEFAULT_DOC_TOKENS
+    doc_tokens: int = 2000  # tokens
     jobs: int = 1
 
 

@@ -37,10 +37,6 @@ from prefixmesh.loadgen.workloads.sources import (
 # ReAct's ALFWorld prompt (its alfworld.ipynb), with the number of examples filled in.
 REACT_INSTRUCTION = "Interact with a household to solve a task. Here are {n} examples.\n"
 REACT_TASK = "\nHere is the task (episode {e}).\n"
-# ReAct's ALFWorld prompt has two demonstrations of the task's type.
-DEFAULT_DEMOS = 2
-# Episodes in flight at once in the request order.
-DEFAULT_AGENTS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +45,10 @@ class EmbodiedOptions(WorkloadOptions):
     salted variants); ``zipf``: their popularity (default equal); ``demos``: few-shot
     trajectories per prompt; ``agents``: episodes interleaved at once."""
 
-    demos: int = DEFAULT_DEMOS
-    agents: int = DEFAULT_AGENTS
+    # ReAct's ALFWorld prompt has two demonstrations of the task's type.
+    demos: int = 2
+    # Episodes in flight at once in the request order.
+    agents: int = 16
 
 
 def _demos_for(task: int, trajs: list[AlfworldTrajectory], n: int) -> list[int]:

@@ -17,7 +17,6 @@ Zipf-popular), each cycling through its questions.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
@@ -36,14 +35,10 @@ LOOGLE_ANSWER = "\nAnswer: "
 MAX_ANSWER_TOKENS = 35
 
 
-@dataclass(frozen=True, slots=True)
-class LoogleOptions(WorkloadOptions):
-    """``prefixes``: documents (default: as many as ``count`` needs, all questions of each;
-    past 9 they are salted variants); ``zipf``: document popularity when set."""
-
-
-def build(count: int, seed: int, opts: LoogleOptions) -> list[WorkloadRequest]:
+def build(count: int, seed: int, opts: WorkloadOptions) -> list[WorkloadRequest]:
     """``count`` LooGLE requests as token ids."""
+    # Options: ``prefixes``, documents (default: as many as ``count`` needs, all questions
+    # of each; past 9 they are salted variants); ``zipf``, document popularity when set.
     docs = loogle_documents()
     n_real = len(docs)
     rng = random.Random(stable_seed("loogle", seed))

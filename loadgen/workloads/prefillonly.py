@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass
 
 from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
@@ -57,16 +56,6 @@ CREDIT_PROFILE_MIN = 40_000
 CREDIT_PROFILE_MAX = 60_000
 
 
-@dataclass(frozen=True, slots=True)
-class PostrecOptions(WorkloadOptions):
-    """``prefixes``: users (default 20); ``zipf``: user popularity (default equal)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CreditverOptions(WorkloadOptions):
-    """``prefixes``: users (default 60); ``zipf``: user popularity (default equal)."""
-
-
 def _window(stream: list[int], start: int, n: int) -> list[int]:
     """``n`` tokens of ``stream`` from ``start``, wrapping around its end."""
     out: list[int] = []
@@ -86,8 +75,9 @@ def _profiles(kind: str, seed: int, lengths: list[int]) -> list[list[int]]:
     return out
 
 
-def build_postrec(count: int, seed: int, opts: PostrecOptions) -> list[WorkloadRequest]:
+def build_postrec(count: int, seed: int, opts: WorkloadOptions) -> list[WorkloadRequest]:
     """``count`` post-recommendation requests (one output token) as token ids."""
+    # Options: ``prefixes``, users (default 20); ``zipf``, user popularity (default equal).
     rng = random.Random(stable_seed("postrec", seed))
     users = opts.prefixes or POSTREC_USERS
     dist = statistics.NormalDist(POSTREC_PROFILE_MEAN, POSTREC_PROFILE_STD)
@@ -111,8 +101,9 @@ def build_postrec(count: int, seed: int, opts: PostrecOptions) -> list[WorkloadR
     return out
 
 
-def build_creditver(count: int, seed: int, opts: CreditverOptions) -> list[WorkloadRequest]:
+def build_creditver(count: int, seed: int, opts: WorkloadOptions) -> list[WorkloadRequest]:
     """``count`` credit-verification requests (one output token) as token ids."""
+    # Options: ``prefixes``, users (default 60); ``zipf``, user popularity (default equal).
     rng = random.Random(stable_seed("creditver", seed))
     users = opts.prefixes or CREDIT_USERS
     span = CREDIT_PROFILE_MAX - CREDIT_PROFILE_MIN

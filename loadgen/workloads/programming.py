@@ -61,7 +61,6 @@ OUTPUT_STD = 343
 OUTPUT_MAX = 4096
 # Spread of output lengths among the samples of one prompt (log scale).
 SAMPLE_SIGMA = 0.3
-DEFAULT_SAMPLES = 4
 DEFAULT_PREFIXES = 16
 
 
@@ -70,7 +69,7 @@ class ProgrammingOptions(WorkloadOptions):
     """``prefixes``: demonstration sets (default 16); ``zipf``: their popularity (default
     equal); ``samples``: parallel samples per problem."""
 
-    samples: int = DEFAULT_SAMPLES
+    samples: int = 4
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,11 +36,6 @@ MAX_CHARS_PER_TOKEN = 8
 
 
 @dataclass(frozen=True, slots=True)
-class SharegptOptions(WorkloadOptions):
-    """No options of its own (``zipf`` and ``prefixes`` do not apply)."""
-
-
-@dataclass(frozen=True, slots=True)
 class _Turn:
     prompt: list[int]   # the user's text
     reply: int          # tokens of the assistant's reply
@@ -101,8 +96,9 @@ def conversation_requests(indices: list[int], tenant: str = "") -> list[Workload
     return out
 
 
-def build(count: int, seed: int, opts: SharegptOptions) -> list[WorkloadRequest]:
-    """``count`` ShareGPT first turns as token ids."""
+def build(count: int, seed: int, opts: WorkloadOptions) -> list[WorkloadRequest]:
+    """``count`` ShareGPT first turns as token ids (``zipf`` and ``prefixes`` do not
+    apply)."""
     cache = _turn_cache()
     order = list(range(len(cache.texts)))
     random.Random(stable_seed("sharegpt", seed)).shuffle(order)

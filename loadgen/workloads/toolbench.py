@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 
 from prefixmesh.loadgen.workloads.base import (
     WorkloadOptions,
@@ -61,13 +60,9 @@ DEFAULT_ZIPF = 1.1
 DEFAULT_TOOL_SETS = 100
 
 
-@dataclass(frozen=True, slots=True)
-class ToolbenchOptions(WorkloadOptions):
-    """``zipf``: tool-set popularity (default 1.1); ``prefixes``: tool sets (default 100;
-    the data holds 535, more are salted variants)."""
-
-
-def build(count: int, seed: int, opts: ToolbenchOptions) -> list[WorkloadRequest]:
+def build(count: int, seed: int, opts: WorkloadOptions) -> list[WorkloadRequest]:
+    # Options: ``zipf``, tool-set popularity (default 1.1); ``prefixes``, tool sets
+    # (default 100; the data holds 535, more are salted variants).
     """``count`` ToolBench requests as token ids."""
     data = toolbench_data()
     rng = random.Random(stable_seed("toolbench", seed))

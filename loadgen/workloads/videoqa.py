@@ -18,7 +18,6 @@ token ids.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,12 +45,6 @@ TOKENS_PER_SECOND = 256
 FRAMES_PER_SECOND = 30
 
 
-@dataclass(frozen=True, slots=True)
-class VideoqaOptions(WorkloadOptions):
-    """``prefixes``: videos (default: as many as ``count`` needs, all questions of each);
-    ``zipf``: video popularity when set (default equal)."""
-
-
 def video_tokens(video: str, frame_count: int, variant: int = 0) -> list[int]:
     """The synthetic token ids of one video: same id, frames and variant -> same tokens."""
     n = frame_count * TOKENS_PER_SECOND // FRAMES_PER_SECOND
@@ -59,8 +52,10 @@ def video_tokens(video: str, frame_count: int, variant: int = 0) -> list[int]:
     return gen.integers(FIRST_REGULAR_ID, VOCAB_SIZE, size=n).tolist()
 
 
-def build(count: int, seed: int, opts: VideoqaOptions) -> list[WorkloadRequest]:
+def build(count: int, seed: int, opts: WorkloadOptions) -> list[WorkloadRequest]:
     """``count`` VideoQA requests as token ids."""
+    # Options: ``prefixes``, videos (default: as many as ``count`` needs, all questions of
+    # each); ``zipf``, video popularity when set (default equal).
     data = nextqa_data()
     videos = data.videos
     n_real = len(videos)

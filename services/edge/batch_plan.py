@@ -1,19 +1,20 @@
-"""Offline batch planning (BatchLLM section 4.2): pure logic, no I/O.
+"""Offline batch planning (BatchLLM; docs/batch.md "Planner"): pure logic, no I/O.
 
 Given every prompt of a batch up front (token ids), the planner
 
 1. builds a compact prefix tree (radix tree) over the whole batch (``PrefixTree``);
 2. turns it into *first-level* prefix groups: every prompt belongs to exactly one group,
    whose shared prefix is computed once, and each member computes only its distinct rest.
-   The naive first level takes the root's children; BatchLLM's ``MaximizeReuse``
-   (``enlarged_groups``) enlarges it: for a first-level node ``child`` (prefix of
-   ``tokens(child)`` tokens) and one of its children ``gchild``, fork ``child`` and merge
-   the copy with ``gchild`` into a new first-level prefix when
-   ``(leaves(gchild) - 1) * tokens(gchild) > tokens(child)``: the ``gchild`` tokens are
-   then computed once instead of once per leaf, at the price of computing ``child``'s
-   prefix once more. The merged node is first-level itself, so the rule recurses with the
-   longer prefix (a sub-problem per node: the dynamic programme);
-3. orders groups by ``1 / (L_prefix + sum L_distinct)``, largest first (docs/design.md section 6);
+   The naive first level takes the root's children (``naive_groups``). MaximizeReuse
+   (``enlarged_groups``) first rewrites the tree bottom-up, subtrees before their root:
+   at each node, a child ``c`` and one of its children ``g`` are forked and merged into a
+   new child of ``tokens(c) + tokens(g)`` tokens when
+   ``(leaves(g) - 1) * tokens(g) > tokens(c)`` (``g``'s tokens computed once instead of
+   once per leaf, at the price of ``c``'s computed once more). Each node's rewrite uses
+   its children's results (a dynamic programme over the tree), so a prefix shared deep
+   down reaches the first level even under a short shared node;
+3. orders groups by ``1 / (L_prefix + sum L_distinct)``, largest first (docs/design.md
+   section 6);
 4. places groups on workers so total estimated GPU work (E2's cost model, ``PT`` and the
    marginal decode cost ``DT``) is balanced, one group per worker unless a group alone is
    more than a worker's fair share, in which case it is split and each part recomputes
@@ -122,60 +123,100 @@ class PrefixGroup:
         return self.prefix_len + sum(lengths[i] - self.prefix_len for i in self.members)
 
 
-def _subtree(node: _Node) -> list[int]:
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        out.extend(n.ends)
-        stack.extend(n.children.values())
-    return out
-
-
 def _group(prefix_len: int, members: list[int]) -> PrefixGroup:
     # A lone prompt shares nothing: its "prefix" is part of its distinct tokens.
     return PrefixGroup(prefix_len if len(members) > 1 else 0, sorted(members))
 
 
 def naive_groups(tree: PrefixTree) -> list[PrefixGroup]:
-    """First-level groups without enlargement: one per child of the root."""
-    groups = [_group(len(c.tokens), _subtree(c)) for c in tree.root.children.values()]
-    if tree.root.ends:
-        groups.append(PrefixGroup(0, sorted(tree.root.ends)))
-    return groups
+    """First-level groups without MaximizeReuse: one per child of the root."""
+    return _first_level(_copy(tree.root)[0])
 
 
 def enlarged_groups(tree: PrefixTree) -> list[PrefixGroup]:
-    """First-level groups after BatchLLM's MaximizeReuse (fork-and-merge) rule."""
-    groups: list[PrefixGroup] = []
-    for child in tree.root.children.values():
-        _enlarge(len(child.tokens), child, groups)
-    if tree.root.ends:
-        groups.append(PrefixGroup(0, sorted(tree.root.ends)))
+    """First-level groups after MaximizeReuse (docs/batch.md, planner step 2): the tree
+    rewritten bottom-up by fork-and-merge (``_maximize_reuse``), then one group per
+    child of the root."""
+    nodes = _copy(tree.root)
+    _maximize_reuse(nodes)
+    return _first_level(nodes[0])
+
+
+@dataclass(slots=True)
+class _Reuse:
+    """A node of the tree MaximizeReuse rewrites: ``tokens`` prefix tokens on its edge.
+    Unlike ``_Node`` two children may start with the same token (a fork's copy and the
+    node it was forked from), so children are a list."""
+
+    tokens: int
+    children: list[_Reuse]
+    ends: list[int]
+    leaves: int
+
+
+def _copy(root: _Node) -> list[_Reuse]:
+    """The tree under ``root`` as ``_Reuse`` nodes, parents before children (the first
+    is the root). Iterative: a batch's tree can be deeper than the recursion limit
+    (prompts that are prefixes of one another)."""
+    top = _Reuse(0, [], list(root.ends), root.leaves)
+    pairs = [(root, top)]
+    for node, copy in pairs:  # the list grows while it is walked: breadth first
+        for child in node.children.values():
+            c = _Reuse(len(child.tokens), [], list(child.ends), child.leaves)
+            copy.children.append(c)
+            pairs.append((child, c))
+    return [copy for _, copy in pairs]
+
+
+def _maximize_reuse(nodes: list[_Reuse]) -> None:
+    """MaximizeReuse in place over ``nodes`` (parents before children, as ``_copy``).
+
+    Nodes are visited bottom-up, every subtree before its root (docs/design.md section 6).
+    At a node ``n``, for each child ``c`` and each child ``g`` of ``c``: when
+    ``(leaves(g) - 1) * tokens(g) > tokens(c)``, ``c`` is forked and its copy merged
+    with ``g`` into a new child of ``n`` of ``tokens(c) + tokens(g)`` tokens holding
+    ``g``'s children and prompts; ``g``'s tokens are then shared by its ``leaves(g)``
+    prompts instead of computed by each, at the price of ``c``'s computed once more. A
+    ``c`` left with no prompt below it is dropped; one left with a single continuation
+    merges into it (a compact tree keeps no such node). At the root this decides the
+    first-level prefixes; below it, it lifts deep shared prefixes a level at a time, so a
+    short shared node (a one-token branch under a long instruction) cannot hide the long
+    documents below it.
+    """
+    for n in reversed(nodes):
+        kept: list[_Reuse] = []
+        for c in n.children:
+            stay: list[_Reuse] = []
+            for g in c.children:
+                if (g.leaves - 1) * g.tokens > c.tokens:  # fork c, merge the copy with g
+                    kept.append(_Reuse(c.tokens + g.tokens, g.children, g.ends, g.leaves))
+                    c.leaves -= g.leaves
+                else:
+                    stay.append(g)
+            c.children = stay
+            while not c.ends and len(c.children) == 1:
+                (only,) = c.children
+                c.tokens += only.tokens
+                c.children, c.ends = only.children, only.ends
+            if c.leaves:
+                kept.append(c)
+        n.children = kept
+
+
+def _first_level(root: _Reuse) -> list[PrefixGroup]:
+    """One group per child of ``root`` (its tokens shared by every prompt below it), and
+    one for prompts ending at the root (empty ones)."""
+    groups = []
+    for child in root.children:
+        members, stack = [], [child]
+        while stack:
+            node = stack.pop()
+            members.extend(node.ends)
+            stack.extend(node.children)
+        groups.append(_group(child.tokens, members))
+    if root.ends:
+        groups.append(PrefixGroup(0, sorted(root.ends)))
     return groups
-
-
-def _enlarge(prefix_len: int, node: _Node, out: list[PrefixGroup]) -> None:
-    """Groups of ``node``'s subtree when a first-level prefix of ``prefix_len`` tokens
-    ends at ``node``. Iterative over merge chains, recursive over forks."""
-    while True:
-        kept: list[_Node] = []
-        for g in node.children.values():
-            if (g.leaves - 1) * len(g.tokens) > prefix_len:
-                _enlarge(prefix_len + len(g.tokens), g, out)  # fork child, merge with g
-            else:
-                kept.append(g)
-        if not node.ends and len(kept) == 1:
-            # The prompts left all continue through one child: the shared prefix simply
-            # extends into it at no cost (merge), and its children get their turn.
-            node = kept[0]
-            prefix_len += len(node.tokens)
-            continue
-        members = list(node.ends)
-        for g in kept:
-            members.extend(_subtree(g))
-        if members:
-            out.append(_group(prefix_len, members))
-        return
 
 
 def computed_tokens(groups: Sequence[PrefixGroup], lengths: Sequence[int]) -> int:

@@ -69,16 +69,6 @@ BATCH_LINES = Counter("prefixmesh_batch_lines_total", "batch lines finished, by 
 BATCH_ACTIVE = Gauge("prefixmesh_batch_active", "batches this edge is running")
 BATCH_PENDING = Gauge("prefixmesh_batch_pending_lines", "batch lines not yet finished")
 
-# Attempts per line when the mesh answers 503 (no worker, worker error, tokenizer not up
-# yet after a restart); then the line fails. Waits double from RETRY_WAIT_S between them.
-LINE_ATTEMPTS = 6
-# Seconds before the first retry of a line, and between polls for a live worker.
-RETRY_WAIT_S = 0.5
-# Seconds to wait for any worker to report before planning without placement.
-WORKER_WAIT_S = 10.0
-# Lines tokenized concurrently.
-TOKENIZE_CONCURRENCY = 32
-
 
 @dataclass(frozen=True, slots=True)
 class RunnerSettings:
@@ -92,6 +82,17 @@ class RunnerSettings:
     def from_config(cls, cfg: EdgeConfig) -> RunnerSettings:
         return cls(cfg.batch_inflight_per_worker, cfg.batch_progress_interval_s,
                    cfg.batch_profile)
+
+
+# Attempts per line when the mesh answers 503 (no worker, worker error, tokenizer not up
+# yet after a restart); then the line fails. Waits double from RETRY_WAIT_S between them.
+LINE_ATTEMPTS = 6
+# Seconds before the first retry of a line, and between polls for a live worker.
+RETRY_WAIT_S = 0.5
+# Seconds to wait for any worker to report before planning without placement.
+WORKER_WAIT_S = 10.0
+# Lines tokenized concurrently.
+TOKENIZE_CONCURRENCY = 32
 
 
 class _Job:

@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 
 # Seconds the client is told to wait before retrying when the mesh cannot take a request.
 RETRY_AFTER_S = 1
-# Routing retry backoff while the scheduler is unavailable (seconds).
-ROUTE_BACKOFF_S = 0.05
-ROUTE_BACKOFF_MAX_S = 0.5
 # While waiting on a worker, its liveness is checked this often (seconds).
 WATCH_TICK_S = 0.25
 
@@ -63,8 +60,11 @@ class MeshTimeouts:
     tokenize_s: float = 10.0
     predict_s: float = 0.5
     route_s: float = 2.0
-    # How long routing keeps retrying while no scheduler answers (standby takeover, restart).
+    # How long routing keeps retrying while no scheduler answers (standby takeover, restart),
+    # first after route_backoff_s, the wait doubling up to route_backoff_max_s.
     route_retry_s: float = 8.0
+    route_backoff_s: float = 0.05
+    route_backoff_max_s: float = 0.5
     submit_s: float = 2.0
     request_s: float = 600.0
     # Routing attempts per request (a refused or silent worker is excluded and re-routed).
@@ -176,7 +176,7 @@ class MeshClient:
         """Ask the scheduler; while none answers, retry with backoff up to route_retry_s."""
         route = msgspec.structs.replace(req, token_ids=[])  # it reads hashes and length
         deadline = time.monotonic() + self.timeouts.route_retry_s
-        backoff = ROUTE_BACKOFF_S
+        backoff = self.timeouts.route_backoff_s
         while True:
             try:
                 reply = await self.bus.request(self.bus.subjects.route, route, ROUTE_REPLY,
@@ -186,7 +186,7 @@ class MeshClient:
                 if time.monotonic() + backoff > deadline:
                     raise unavailable("scheduler", exc) from None
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, ROUTE_BACKOFF_MAX_S)
+                backoff = min(backoff * 2, self.timeouts.route_backoff_max_s)
         if reply.error is not None or not reply.worker_id:
             msg = reply.error.message if reply.error else "no worker chosen"
             raise unavailable("workers", RuntimeError(msg))

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 from prefixmesh.services.worker.engine.hf_prefill_only import DEFAULT_HYBRID_CHUNK_TOKENS
 from prefixmesh.services.worker.engine.kv_pool import DEFAULT_KV_BLOCKS
-from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
+from prefixmesh.services.worker.local import (
+    DEFAULT_LOCAL_POLICY,
+    LOCAL_POLICIES,
+    BatchGroupsConfig,
+    LocalPolicyConfig,
+)
+from prefixmesh.services.worker.local.batch_groups import DEFAULT_MEMORY_THRESHOLD
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 from prefixmesh.shared.models import ModelCard, card_for
 from prefixmesh.shared.runtime.config import CommonConfig, option
@@ -51,6 +57,17 @@ class WorkerConfig(CommonConfig):
         "chunked path")
     default_output_mean: float = option(
         128.0, "sim: mean output tokens of a request with no length hint and no ignore_eos")
+    batch_kv_tokens: int = option(
+        0, "batch_groups: KV token threshold of planned batch work (tokens of KV the engine "
+        "may hold before batch admissions stop; batch requests are not capped by "
+        f"max_num_seqs); 0 = {DEFAULT_MEMORY_THRESHOLD * 100:.0f}%% of the engine's KV pool "
+        "(docs/batch.md)")
+
+    def local_policy_config(self) -> LocalPolicyConfig | None:
+        """The local policy's knobs set here (None = its defaults)."""
+        if self.local_policy == "batch_groups" and self.batch_kv_tokens:
+            return BatchGroupsConfig(kv_tokens=self.batch_kv_tokens)
+        return None
 
     def served_model(self) -> ModelCard:
         """Name and context length of what this worker serves."""

@@ -5,11 +5,10 @@ Subscriptions: ``worker.<id>.submit`` (request/reply: queued or refused),
 ``reply_to``, KV events on ``kv.<id>`` (per-worker sequence numbers), load reports on
 ``load.<id>`` and completion records on ``done``.
 
-Two backends sit behind the same shell (``--backend``): ``sim``, a pure clock-agnostic
-engine this shell drives in real time (plan a step, sleep its modelled duration, apply it,
-publish what it produced: ``_engine_loop``); and ``vllm``, which runs its own loop
-(``VllmEngine.run``: admission in local-policy order, one stream per request, the KV-event
-bridge) and reports through the same ``_emit`` and ``_publish_kv``.
+The engine behind the shell is whatever ``--backend`` names (``engine/registry.py``: sim,
+hf, vllm), all behind one interface (``engine/base.py``): the shell turns submits into
+``EngineRequest``s, runs the engine's own step loop (``Engine.run``) and relays what it
+emits through ``_emit`` and ``_publish_kv``.
 """
 
 from __future__ import annotations
@@ -347,7 +346,7 @@ class WorkerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
-        policy = make_local_policy(self.cfg.local_policy)
+        policy = make_local_policy(self.cfg.local_policy, self.cfg.local_policy_config())
         self._engine = engine = await self._backend.open_engine(self.cfg, self.cost, policy)
         stack.callback(engine.close)  # after the engine task is cancelled (LIFO)
         if self.cfg.mesh:  # before the tasks, so the bus closes after they are cancelled

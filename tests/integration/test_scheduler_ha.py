@@ -25,21 +25,25 @@ from prefixmesh.shared.runtime.servers import (
     start_redis,
 )
 from prefixmesh.shared.wire import ROUTE_REPLY, SamplingParams, TokenizedRequest
-from tests.helpers import default_cost, eventually, eventually_async, running
+from tests.helpers import (
+    FAST_LOAD_INTERVAL_S,
+    default_cost,
+    eventually,
+    eventually_async,
+    running,
+)
 
 pytestmark = pytest.mark.timeout(90)
-
-LOAD_INTERVAL_S = 0.05
 
 
 def _worker(nats_server: str, prefix: str, wid: str) -> WorkerService:
     return WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix, worker_id=wid,
-                                      load_interval_s=LOAD_INTERVAL_S))
+                                      load_interval_s=FAST_LOAD_INTERVAL_S))
 
 
 def _scheduler_process(nats_server, redis_url, prefix, log_path) -> ManagedProcess:
     env = child_env(PM_NATS_URL=nats_server, PM_REDIS_URL=redis_url, PM_SUBJECT_PREFIX=prefix,
-                    PM_REDIS_PREFIX=prefix, PM_LOAD_INTERVAL_S=str(LOAD_INTERVAL_S),
+                    PM_REDIS_PREFIX=prefix, PM_LOAD_INTERVAL_S=str(FAST_LOAD_INTERVAL_S),
                     PM_PERSIST_INTERVAL_S="0.1", PM_LEASE_TTL_S="1.5", PM_LOG_LEVEL="INFO")
     return ManagedProcess("scheduler", [sys.executable, "-m", "prefixmesh.services.scheduler"],
                           env=env,
@@ -126,7 +130,7 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
     port = free_port()
     redis_proc, redis_url = start_redis(port=port, data_dir=tmp_path)
     cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_url, subject_prefix=prefix,
-                          redis_prefix=prefix, load_interval_s=LOAD_INTERVAL_S,
+                          redis_prefix=prefix, load_interval_s=FAST_LOAD_INTERVAL_S,
                           persist_interval_s=0.1)
     sched = SchedulerService(cfg)
     try:
@@ -175,7 +179,7 @@ async def test_a_draining_scheduler_does_not_take_its_lease_back(nats_server, re
     """drain() releases the lease for the standby; the lease loop must not re-take it in the
     moments before the process exits (it would keep the standby waiting a whole TTL)."""
     cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
-                          redis_prefix=prefix, load_interval_s=LOAD_INTERVAL_S,
+                          redis_prefix=prefix, load_interval_s=FAST_LOAD_INTERVAL_S,
                           persist_interval_s=0.1, lease_ttl_s=0.6)
     sched = SchedulerService(cfg)
     client = aioredis.from_url(redis_server)

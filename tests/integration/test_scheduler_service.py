@@ -19,20 +19,18 @@ from prefixmesh.shared.wire import (
     SamplingParams,
     TokenizedRequest,
 )
-from tests.helpers import eventually, running
-
-LOAD_INTERVAL_S = 0.05
+from tests.helpers import FAST_LOAD_INTERVAL_S, eventually, running
 
 
 def _sched_cfg(nats_server, redis_server, prefix, policy="e2") -> SchedulerConfig:
     return SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
-                           redis_prefix=prefix, policy=policy, load_interval_s=LOAD_INTERVAL_S,
+                           redis_prefix=prefix, policy=policy, load_interval_s=FAST_LOAD_INTERVAL_S,
                            persist_interval_s=0.1)
 
 
 def _worker(nats_server, prefix, wid) -> WorkerService:
     return WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix, worker_id=wid,
-                                      load_interval_s=LOAD_INTERVAL_S))
+                                      load_interval_s=FAST_LOAD_INTERVAL_S))
 
 
 # Like the edge (route_retry_s), the client retries a routing request nobody answered.

@@ -14,9 +14,7 @@ from prefixmesh.shared.wire import (
     SamplingParams,
     TokenizedRequest,
 )
-from tests.helpers import eventually, running
-
-LOAD_INTERVAL_S = 0.05
+from tests.helpers import FAST_LOAD_INTERVAL_S, eventually, running
 
 
 def _request(bus: Bus, rid: str, deadline: float, max_tokens: int) -> TokenizedRequest:
@@ -35,7 +33,7 @@ async def test_expired_requests_are_refused_or_dropped(bus: Bus, nats_server: st
 
     await bus.subscribe(bus.subjects.stream_inbox("t"), STREAM_EVENT, on_event)
     worker = WorkerService(WorkerConfig(nats_url=nats_server, subject_prefix=prefix,
-                                        worker_id="wd", load_interval_s=LOAD_INTERVAL_S))
+                                        worker_id="wd", load_interval_s=FAST_LOAD_INTERVAL_S))
     async with running(worker):
         subject = bus.subjects.worker_submit("wd")
         late = await bus.request(subject, _request(bus, "late", time.time() - 1, 4),

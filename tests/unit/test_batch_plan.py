@@ -1,4 +1,4 @@
-"""The offline batch planner (BatchLLM s.4.2): prefix tree, MaximizeReuse, groups, placement."""
+"""The offline batch planner (docs/batch.md): prefix tree, MaximizeReuse, groups, placement."""
 
 from __future__ import annotations
 
@@ -75,19 +75,62 @@ def test_fork_only_pays_when_the_grandchild_outweighs_the_prefix() -> None:
     assert members(enlarged_groups(tree)) == members(naive_groups(tree))
 
 
-def test_merged_prefix_is_first_level_again() -> None:
-    # S -> D1 -> {E (8 tokens) -> 2 questions, 2 other questions}: after merging S+D1 (14
-    # tokens), E is weighed against 14: (2-1)*8 = 8 < 14, so it stays in S+D1's group.
+def test_deep_nodes_are_lifted_bottom_up() -> None:
+    # S -> D1 -> {E (8 tokens) -> 2 questions, 2 other questions}. Under S, E is weighed
+    # against D1: (2-1)*8 = 8 < 10, so E stays below D1; at the root D1 is lifted over S
+    # ((4-1)*10 = 30 > 4) with E inside its group.
     e = seq(5000, 8)
     prompts = [S + D1 + e + seq(100, 2), S + D1 + e + seq(110, 2),
                S + D1 + seq(120, 2), S + D1 + seq(130, 2), S + X]
     groups = enlarged_groups(PrefixTree(prompts))
     assert members(groups) == [(0, [4]), (14, [0, 1, 2, 3])]
-    # With a long E (20 tokens: 20 > 14) it forks into a group of its own.
+    # A long E (20 tokens: 20 > 10) is first forked under S into D1+E, and at the root
+    # both D1 and D1+E are lifted over S: three groups, the deepest sharing 34 tokens.
     e = seq(5000, 20)
     prompts[:2] = [S + D1 + e + seq(100, 2), S + D1 + e + seq(110, 2)]
     groups = enlarged_groups(PrefixTree(prompts))
     assert members(groups) == [(0, [4]), (14, [2, 3]), (34, [0, 1])]
+
+
+def _instruction_documents_questions() -> list[list[int]]:
+    """A 50-token instruction; six 2,000-token documents, three starting with one token and
+    three with another; four 2-token questions on each (24 prompts of 2,052 tokens)."""
+    instruction = seq(1, 50)
+    docs = [[7 if d < 3 else 8] + seq(10_000 * (d + 1), 1999) for d in range(6)]
+    return [instruction + doc + seq(100_000 + 10 * (4 * d + q), 2)
+            for d, doc in enumerate(docs) for q in range(4)]
+
+
+def test_a_short_shared_node_does_not_hide_the_documents_below_it() -> None:
+    prompts = _instruction_documents_questions()
+    tree = PrefixTree(prompts)
+    total = tree.total_tokens
+    assert total == 24 * 2052
+    # Naive first level: only the instruction is shared (the first-token branches under
+    # it are one token long, so a top-down pass stops there too).
+    naive = computed_tokens(naive_groups(tree), tree.lengths)
+    assert naive == 50 + 24 * 2002
+    assert saving_ratio(naive, total) == pytest.approx(0.023, abs=5e-4)
+    # Bottom-up: each document is lifted over its one-token branch (3 * 1999 > 1), then
+    # over the instruction (3 * 2000 > 50): six groups of instruction + document.
+    groups = enlarged_groups(tree)
+    assert members(groups) == [(2050, [4 * d + q for q in range(4)]) for d in range(6)]
+    enlarged = computed_tokens(groups, tree.lengths)
+    assert enlarged == 6 * 2050 + 24 * 2
+    multi = tree.node_tokens()
+    assert multi == 50 + 2 + 6 * 1999 + 24 * 2
+    assert saving_ratio(enlarged, total) == pytest.approx(0.749, abs=5e-4)
+    assert saving_ratio(multi, total) == pytest.approx(0.754, abs=5e-4)
+    assert saving_ratio(multi, total) - saving_ratio(enlarged, total) < 0.02
+
+
+def test_deep_chains_do_not_recurse() -> None:
+    # Every prompt a prefix of the next: a chain deeper than Python's recursion limit.
+    prompts = [seq(1, n) for n in range(1, 1201)]
+    tree = PrefixTree(prompts)
+    groups = enlarged_groups(tree)
+    assert sorted(i for g in groups for i in g.members) == list(range(1200))
+    assert tree.node_tokens() <= computed_tokens(groups, tree.lengths) < tree.total_tokens
 
 
 def test_prompts_that_are_prefixes_of_others_and_duplicates() -> None:

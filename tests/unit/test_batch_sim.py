@@ -26,6 +26,7 @@ def test_planned_batch_runs_everything_on_its_planned_workers() -> None:
 def test_cli_writes_json(tmp_path) -> None:
     out = tmp_path / "b.json"
     assert main(["--count", "40", "--gpus", "2", "--modes", "planned,rr_fcfs",
-                 "--json", str(out)]) == 0
+                 "--prefixes", "4", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [r["mode"] for r in d["runs"]] == ["planned", "rr_fcfs"]
+    assert d["workload"]["prefixes"] == 4

@@ -7,8 +7,13 @@ from collections.abc import Sequence
 
 import pytest
 
+from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.engine.sim import SimEngine
-from prefixmesh.services.worker.engine.types import EngineRequest, SimEngineConfig
+from prefixmesh.services.worker.engine.types import (
+    EngineRequest,
+    RequestStatus,
+    SimEngineConfig,
+)
 from prefixmesh.services.worker.local import (
     LOCAL_POLICIES,
     BatchGroupsConfig,
@@ -46,6 +51,12 @@ def test_batch_groups_is_registered_and_configurable() -> None:
     assert isinstance(FakeView(ROOM, ROOM), EngineView)
     with pytest.raises(ValueError):
         BatchGroupsConfig(memory_threshold=0.0)
+    with pytest.raises(ValueError):
+        BatchGroupsConfig(kv_tokens=-1)
+    # The worker's knob: --batch-kv-tokens / PM_BATCH_KV_TOKENS.
+    cfg = WorkerConfig(local_policy="batch_groups", batch_kv_tokens=4096)
+    assert cfg.local_policy_config() == BatchGroupsConfig(kv_tokens=4096)
+    assert WorkerConfig(local_policy="fcfs", batch_kv_tokens=4096).local_policy_config() is None
 
 
 def test_requests_are_grouped_by_their_shared_prefix() -> None:
@@ -117,8 +128,9 @@ def test_batch_admission_is_bounded_by_kv_memory_not_by_request_count() -> None:
             policy.push(_req(f"r{i}", span(1000 * i, 160), max_tokens=32), 0.0)
         return policy
 
-    # 1000 blocks, threshold 0.5: 500 blocks = 41 requests, though 256 slots are free.
-    assert len(fresh().select(0.0, 256, UNLIMITED, FakeView(1000, 1000))) == 41
+    # 1000 blocks, threshold 0.5: 500 blocks = 41 requests, though only 4 slots are free
+    # (batch requests hold none).
+    assert len(fresh().select(0.0, 4, UNLIMITED, FakeView(1000, 1000))) == 41
     # 300 blocks already referenced by running requests: 200 more = 16 requests.
     assert len(fresh().select(0.0, 256, UNLIMITED, FakeView(1000, 700))) == 16
     # Over the threshold already: nothing; with nothing running, one goes anyway.
@@ -126,6 +138,11 @@ def test_batch_admission_is_bounded_by_kv_memory_not_by_request_count() -> None:
     assert len(fresh().select(0.0, 256, UNLIMITED, FakeView(10, 10))) == 1
     # The token budget (chunk size) bounds a step too: 13 prompts start in 2048 tokens.
     assert len(fresh().select(0.0, 256, 2048, FakeView(1000, 1000))) == 13
+    # The threshold in tokens: 240 blocks' worth = 20 requests, whatever the pool.
+    kv = BatchGroupsPolicy(BatchGroupsConfig(kv_tokens=240 * BS))
+    for i in range(30):
+        kv.push(_req(f"r{i}", span(1000 * i, 160), max_tokens=32), 0.0)
+    assert len(kv.select(0.0, 4, UNLIMITED, FakeView(10_000, 10_000))) == 20
 
 
 def test_interactive_requests_go_first_and_are_never_starved() -> None:
@@ -133,15 +150,23 @@ def test_interactive_requests_go_first_and_are_never_starved() -> None:
     for i in range(100):
         policy.push(_req(f"b{i}", span(1000 * i, 160), max_tokens=32), 0.0)
     chat = [_req(f"chat{i}", span(900_000 + 1000 * i, 160), batch="") for i in range(3)]
+    assert policy.takes_slot(chat[0]) and not policy.takes_slot(_req("b", span(0, 16)))
     for i, r in enumerate(chat):
         policy.push(r, float(i))
     view = FakeView(1000, 1000)
     picked = request_ids(policy.select(0.0, 10, UNLIMITED, view))
-    assert picked[:3] == ["chat0", "chat1", "chat2"] and len(picked) == 10
+    # 10 slots bound the interactive requests only; batch ones fill the 500-block
+    # threshold: (500 - 3 * 12) // 12 = 38 of them.
+    assert picked[:3] == ["chat0", "chat1", "chat2"] and len(picked) == 3 + 38
+    # With no slot free, interactive requests wait and batch ones still go.
+    policy.push(_req("chat3", span(980_000, 160), batch=""), 0.5)
+    picked = request_ids(policy.select(0.5, 0, UNLIMITED, FakeView(1000, 900)))
+    assert picked == [f"b{i}" for i in range(38, 38 + 33)]  # (500 - 100) // 12
     # Batch work fills memory up to the threshold; a new interactive request still goes.
     late = _req("late", span(990_000, 160), batch="")
     policy.push(late, 1.0)
-    assert request_ids(policy.select(1.0, 10, UNLIMITED, FakeView(1000, 500))) == ["late"]
+    assert request_ids(policy.select(1.0, 10, UNLIMITED, FakeView(1000, 500))) == [
+        "chat3", "late"]
 
 
 def _run(policy: LocalPolicy, reqs: list[EngineRequest]) -> list[EngineRequest]:
@@ -172,3 +197,78 @@ def test_on_the_engine_groups_share_their_prefix_and_run_contiguously() -> None:
     # FCFS admits the shuffled requests together and recomputes each prefix repeatedly.
     fcfs_cached = sum(r.num_cached_tokens for r in _run(FcfsPolicy(), workload()))
     assert fcfs_cached < 16 * 1600
+
+
+def _sim(policy: LocalPolicy, **limits: int) -> tuple[SimEngine, SimDriver]:
+    engine = SimEngine(CostModel.load("mistral-7b-a6000"), policy, SimEngineConfig(**limits))
+    return engine, SimDriver(engine)
+
+
+def _used_kv_tokens(engine: SimEngine) -> int:
+    return (engine.num_blocks - engine.num_free_blocks) * engine.block_size
+
+
+def test_a_planned_batch_runs_beyond_max_num_seqs_up_to_the_kv_token_threshold() -> None:
+    # 32-token prompts + 160 output tokens: 12 blocks (192 tokens) each at their end, 2 at
+    # admission; the threshold holds 10 of them, the engine has 4 sequence slots.
+    threshold = 10 * 192
+    engine, d = _sim(BatchGroupsPolicy(BatchGroupsConfig(kv_tokens=threshold)),
+                     max_num_seqs=4)
+    batch = [_req(f"b{i}", span(1000 * i, 32), max_tokens=160) for i in range(30)]
+    for r in batch:
+        engine.add(r, 0.0)
+    d.step()
+    assert engine.num_running == 10 > engine.max_num_seqs
+    # Held at the threshold while the batch drains: never more KV than it allows.
+    peak = 0
+    while d.step() is not None:
+        peak = max(peak, engine.num_running)
+        assert _used_kv_tokens(engine) <= threshold
+    assert peak == 10 and all(r.finish_time is not None for r in batch)
+    # Under fcfs, or with batch_slots (the request-count baseline), the same requests are
+    # capped at max_num_seqs.
+    for policy in (FcfsPolicy(), BatchGroupsPolicy(BatchGroupsConfig(batch_slots=True))):
+        engine, d = _sim(policy, max_num_seqs=4)
+        for i in range(30):
+            engine.add(_req(f"b{i}", span(1000 * i, 32), max_tokens=160), 0.0)
+        d.step()
+        assert engine.num_running == 4
+
+
+def test_interactive_requests_keep_every_slot_beside_a_batch() -> None:
+    engine, d = _sim(BatchGroupsPolicy(BatchGroupsConfig(kv_tokens=10 * 192)), max_num_seqs=4)
+    for i in range(30):
+        engine.add(_req(f"b{i}", span(1000 * i, 160), max_tokens=32), 0.0)
+    d.step()
+    assert engine.num_running == 10
+    chat = [_req(f"chat{i}", span(900_000 + 1000 * i, 160), batch="", max_tokens=32)
+            for i in range(6)]
+    for r in chat:
+        engine.add(r, d.now)
+    d.step()
+    # All four slots go to interactive requests at once; the batch keeps running.
+    assert [r.request_id for r in chat if r.first_scheduled is not None] == [
+        "chat0", "chat1", "chat2", "chat3"]
+    assert engine.num_running == 14
+    d.step_until(lambda: chat[4].first_scheduled is not None)
+    assert all(r.finish_time is not None for r in chat[:4])
+
+
+def test_requests_without_a_slot_stop_where_a_step_could_not_decode_them_all() -> None:
+    # 64 tokens a step, 60 slots: at most 4 batch requests beside the slot holders.
+    engine, d = _sim(BatchGroupsPolicy(), max_num_seqs=60, max_batched_tokens=64)
+    batch = [_req(f"b{i}", span(1000 * i, 8), max_tokens=64) for i in range(10)]
+    for r in batch:
+        engine.add(r, 0.0)
+    chat = [_req(f"chat{i}", span(900_000 + 1000 * i, 8), batch="", max_tokens=64)
+            for i in range(7)]
+    for r in chat:
+        engine.add(r, 0.0)
+    most = 0
+    for _ in range(30):
+        d.step()
+        running = sum(r.status is RequestStatus.RUNNING for r in batch)
+        assert running <= 4 and engine.num_running <= 64
+        most = max(most, running)
+    assert most == 4
+    assert all(r.first_scheduled is not None for r in chat)

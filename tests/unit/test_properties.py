@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis): random operation sequences against simple reference
-models, for the scheduler's prefix tree, the worker's block cache and the translation of
-vLLM's KV events into prefixmesh's.
+models, for the scheduler's prefix tree, the worker's block cache, the translation of
+vLLM's KV events into prefixmesh's and the batch planner's prefix groups.
 
 Each machine keeps its own model of what must be true (which worker caches which blocks,
 which physical blocks running requests hold, which vLLM blocks are alive) and checks the
@@ -22,6 +22,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+from prefixmesh.services.edge.batch_plan import PrefixTree as BatchTree
+from prefixmesh.services.edge.batch_plan import (
+    computed_tokens,
+    enlarged_groups,
+    naive_groups,
+)
 from prefixmesh.services.scheduler.prefix_tree import PrefixTree
 from prefixmesh.services.worker.engine.block_cache import BlockCache
 from prefixmesh.services.worker.engine.vllm_events import (
@@ -486,3 +492,33 @@ def test_stored_then_removed_nets_to_nothing(vbs: int,
     assert tr.num_blocks == tr.num_vllm_blocks == 0
     assert tr.snapshot_events() == [AllBlocksCleared()]
     assert tr.orphans == tr.unknown_removals == 0
+
+
+# --------------------------------------------------------------------------- batch planner
+
+# Prompts over a three-token alphabet, built from a few shared pieces so that batches have
+# deep, uneven prefix trees (short shared nodes above long ones, prompts that are prefixes
+# of others, duplicates).
+_PIECES = [[0], [1], [0, 1, 2] * 3, [2] * 20, [1, 0] * 6, []]
+
+
+@PROPERTY
+@given(st.lists(st.lists(st.integers(0, len(_PIECES) - 1), max_size=6), min_size=1,
+                max_size=40))
+def test_maximize_reuse_partitions_and_never_loses(choices: list[list[int]]) -> None:
+    """Every prompt in exactly one group whose prefix all its members share; the planned
+    tokens lie between the multi-level tree's and the naive first level's."""
+    prompts = [[t for k in c for t in _PIECES[k]] for c in choices]
+    tree = BatchTree(prompts)
+    enlarged, naive = enlarged_groups(tree), naive_groups(tree)
+    for groups in (enlarged, naive):
+        assert sorted(i for g in groups for i in g.members) == list(range(len(prompts)))
+        for g in groups:
+            assert g.prefix_len == 0 or len(g.members) > 1
+            head = prompts[g.members[0]][:g.prefix_len]
+            assert len(head) == g.prefix_len
+            assert all(prompts[i][:g.prefix_len] == head for i in g.members)
+    lengths = tree.lengths
+    assert tree.node_tokens() <= computed_tokens(enlarged, lengths)
+    assert computed_tokens(enlarged, lengths) <= computed_tokens(naive, lengths)
+    assert computed_tokens(naive, lengths) <= tree.total_tokens

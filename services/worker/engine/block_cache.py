@@ -232,14 +232,8 @@ class BlockCache:
             self._flush_removed()
         self._events.append(BlockStored(block_hashes, parent_hash, token_ids, bs))
 
-    def _store_sharing(
-        self,
-        table: list[int],
-        first: int,
-        block_hashes: list[int],
-        parent_hash: int | None,
-        token_ids: list[int],
-    ) -> None:
+    def _store_sharing(self, table: list[int], first: int, block_hashes: list[int],
+                       parent_hash: int | None, token_ids: list[int]) -> None:
         """``store`` when some blocks duplicate cached ones: one event per run of new blocks."""
         bs, cached = self.block_size, self._cached
         hashes, parents, src, off = self._hash, self._parent, self._tok_src, self._tok_off

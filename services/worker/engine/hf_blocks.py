@@ -28,7 +28,6 @@ class BlockChains:
     with ``req``, ``blocks``, ``pending``, ``prefill_only``, ``caching`` and ``past``)."""
 
     cache: BlockCache
-    model: Any
     # Per first pass: (prompt tokens, cached tokens, queue seconds).
     _admit_win: SlidingSums
 
@@ -82,18 +81,15 @@ class BlockChains:
 
     def _attach_prefix(self, seq: Any, now: float) -> None:
         """Reference ``seq``'s longest cached prefix (never its last token) and start from
-        it: the ordinary path gathers its KV into a DynamicCache, a prefill-only pass is
-        handed the pool blocks of its new full blocks (the rest of its KV is discarded)."""
-        from transformers import DynamicCache
-
+        it: the ordinary path's first forward pass gathers that KV into its DynamicCache (on
+        the executor); a prefill-only pass is also handed the pool blocks of its new full
+        blocks (the rest of its KV is discarded)."""
         req, bs = seq.req, BLOCK_SIZE
         hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
         self.cache.acquire(hits, 0)  # references only: never fails
         seq.blocks = list(hits)
         if seq.prefill_only:
             seq.pending = self._new_blocks(seq, req.num_prompt_tokens // bs)
-        elif hits:
-            seq.past = DynamicCache(self._pool().gather(hits), config=self.model.config)
         cached = len(hits) * bs
         req.num_computed_tokens = cached
         req.num_stored_blocks = len(hits)

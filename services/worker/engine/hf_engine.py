@@ -3,8 +3,12 @@
 
 Requests wait in the local policy; admitted ones run interleaved, one forward pass each in
 turn (a prompt chunk of up to ``prefill_chunk`` tokens, or one decode token), so a long
-prompt delays running decodes by at most one chunk. Every forward runs on the engine's own
-single-thread executor: torch releases the GIL, the event loop keeps serving.
+prompt delays running decodes by at most one chunk. At most ``max_num_seqs`` requests hold
+a sequence slot; those the policy bounds by KV memory instead (``batch_groups``' planned
+batch requests) run beside them, as many as its KV token threshold allows, and share one
+turn in the rotation, so a slot holder still waits at most ``max_num_seqs`` passes. Every
+forward runs on the engine's own single-thread executor: torch releases the GIL, the event
+loop keeps serving.
 
 Prefix KV reuse, with vLLM's rules and the same bookkeeping as the sim (``BlockCache``):
 every full 16-token block of computed tokens (prompt and output) is copied into a paged
@@ -154,7 +158,8 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
         self.hybrid: HybridPrefill | None = None
         self._stop_ids = {i for i in (tok.eos_token_id, *EXTRA_STOP_IDS) if i is not None}
         self._running: list[_Seq] = []
-        self._next = 0  # round-robin cursor into _running
+        self._next = 0  # round-robin cursor over the turns (``_pick``)
+        self._next_unslotted = 0  # and over the running requests without a slot
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
         # Per forward pass: (seconds, decode tokens, all tokens).
         self._step_win = SlidingSums(cfg.stats_window_s)
@@ -239,8 +244,7 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            seq = self._running[self._next % len(self._running)]
-            self._next += 1
+            seq = self._pick()
             n = self._next_pass(seq)
             try:
                 result = await loop.run_in_executor(self._executor, self._forward, seq, n)
@@ -257,15 +261,30 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
             await publish_kv(self.take_kv_events())
 
     def _admit(self, now: float) -> None:
-        slots = self.cfg.max_num_seqs - len(self._running)
-        if slots <= 0 or not len(self.policy):
+        if not len(self.policy):
             return
-        for req in self.policy.select(now, slots, self.cfg.prefill_chunk * slots, self):
+        held = sum(self.policy.takes_slot(s.req) for s in self._running)
+        slots = max(self.cfg.max_num_seqs - held, 0)
+        budget = self.cfg.prefill_chunk * max(slots, 1)  # requests without a slot: one chunk
+        for req in self.policy.select(now, slots, budget, self):
             self._start(req, now)
 
+    def _pick(self) -> _Seq:
+        """The next running request to get a forward pass: slot holders in turn, and the
+        requests without a slot together as one more participant, in turn among them."""
+        slotted = [s for s in self._running if self.policy.takes_slot(s.req)]
+        turns = len(slotted) + (len(slotted) < len(self._running))
+        k = self._next % turns
+        self._next += 1
+        if k < len(slotted):
+            return slotted[k]
+        rest = [s for s in self._running if not self.policy.takes_slot(s.req)]
+        self._next_unslotted += 1
+        return rest[self._next_unslotted % len(rest)]
+
     def _start(self, req: EngineRequest, now: float) -> None:
-        """Admit ``req``: reference its cached prefix and build its KV from the pool (a
-        prefill-only request does that at its pass, ``_next_pass``)."""
+        """Admit ``req``: reference its cached prefix (``_forward`` gathers its KV; a
+        prefill-only request takes its prefix at its pass, ``_next_pass``)."""
         import torch
 
         sampling = self._sampling.pop(req.request_id)
@@ -310,10 +329,11 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
                 logits, hidden = self.hybrid.run(req.known_tokens(c, c + n), c, seq.blocks,
                                                  seq.pending, layer)
             else:
-                if seq.past is None:
+                if seq.past is None:  # first pass: the cached prefix's KV (seq.blocks), if any
                     from transformers import DynamicCache
 
-                    seq.past = DynamicCache(config=self.model.config)
+                    kv = self._pool().gather(seq.blocks) if seq.blocks else None
+                    seq.past = DynamicCache(kv, config=self.model.config)
                 ids = torch.tensor([req.known_tokens(c, c + n)], dtype=torch.long)
                 out = self.model(input_ids=ids, cache=seq.past, use_cache=True,
                                  logits_to_keep=1, output_hidden_states=layer is not None)

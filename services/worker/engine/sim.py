@@ -7,7 +7,11 @@ Clock-agnostic: every call takes ``now`` (seconds), real or virtual. One step::
     ... wait plan.duration seconds ...
     outputs = engine.finish_step(plan, now_after)
 
-Each step has a token budget (``max_batched_tokens``) and at most ``max_num_seqs`` run:
+Each step has a token budget (``max_batched_tokens``) and at most ``max_num_seqs`` requests
+holding a sequence slot run; requests the local policy bounds by KV memory instead
+(``LocalPolicy.takes_slot``: planned batch requests under ``batch_groups``) run beside them,
+up to ``max_batched_tokens - max_num_seqs`` of them, so that one step still decodes every
+running request and interactive requests keep every slot:
 1. running requests in decode get one token each, in admission order;
 2. running requests part-way through their prompt get their next chunk;
 3. unless step 1 or 2 preempted someone, waiting requests are admitted in the local
@@ -74,6 +78,9 @@ class SimEngine(CachedEngine):
         self._max_seqs = cfg.max_num_seqs or cost.max_num_seqs
         if self._max_seqs > self._max_tokens:  # vLLM's rule too; step 1 relies on it
             raise ValueError("max_num_seqs must not exceed max_batched_tokens")
+        # Running requests without a slot at most: with every slot taken too, a step's
+        # budget still decodes them all. 0: every request takes a slot.
+        self._extra_seqs = self._max_tokens - self._max_seqs
         self._chunk_cap = cfg.max_prefill_chunk or self._max_tokens
         num_blocks = cfg.num_blocks or cost.kv_capacity_tokens // cfg.block_size
         self.cache = BlockCache(num_blocks, cfg.block_size)
@@ -87,6 +94,8 @@ class SimEngine(CachedEngine):
         self._requests: dict[str, EngineRequest] = {}
         # Running requests in admission order (the last one is preempted first).
         self._running: list[EngineRequest] = []
+        # Running requests that hold a sequence slot (``_takes_slot``).
+        self._slotted = 0
         self._step_id = 0
         self._inflight: StepPlan | None = None
         # Free blocks when an admission last failed for KV memory (-1: not blocked). The
@@ -177,6 +186,7 @@ class SimEngine(CachedEngine):
             self._admit_blocked_at = -1  # it may have been the request that did not fit
         else:
             self._running.remove(req)
+            self._slotted -= self._takes_slot(req)
             plan = self._inflight
             if plan is not None and req in plan.requests:
                 # Its step's work is lost; finish_step must not touch it.
@@ -228,7 +238,7 @@ class SimEngine(CachedEngine):
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> tuple[int, bool]:
         """Step 1: one token for each running request whose known tokens are all computed
         but the last; returns the budget left and whether any request is mid-prefill.
-        No budget checks: at most max_num_seqs <= max_batched_tokens requests run.
+        No budget checks: at most max_batched_tokens requests run (``_admit_waiting``).
         This loop and finish_step's are the per-step hot path: keep them lean."""
         bs = self._block_size
         reqs, batch = plan.requests, plan.batch
@@ -301,6 +311,7 @@ class SimEngine(CachedEngine):
         runs out) put the request back at the front of the queue."""
         req.hash_blocks(req.num_tokens // self._block_size, self._block_size)  # to match later
         self._running.remove(req)
+        self._slotted -= self._takes_slot(req)
         self.cache.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -312,22 +323,35 @@ class SimEngine(CachedEngine):
             self.policy.requeue_front([req])
         plan.preempted.append(req.request_id)
 
+    def _takes_slot(self, req: EngineRequest) -> bool:
+        """Whether ``req`` counts against ``max_num_seqs`` while it runs."""
+        return self._extra_seqs <= 0 or self.policy.takes_slot(req)
+
     def _admit_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
-        slots = self._max_seqs - len(self._running)
-        if slots <= 0:
-            return
+        """Step 3: admit what the local policy selects, slot holders up to
+        ``max_num_seqs``, the others up to ``_extra_seqs``; what cannot go now goes back
+        to the front of the queue in the policy's order."""
+        slots = self._max_seqs - self._slotted
         picked = self.policy.select(now, slots, budget, self)
+        held: list[EngineRequest] = []
         for i, req in enumerate(picked):
-            if budget <= 0 or len(self._running) >= self._max_seqs:
-                self.policy.requeue_front(picked[i:])
-                return
+            if budget <= 0:
+                held += picked[i:]
+                break
+            slot = self._takes_slot(req)
+            if slots <= 0 if slot else len(self._running) - self._slotted >= self._extra_seqs:
+                held.append(req)  # no room of its kind; the other kind may still go
+                continue
             n = self._admit(req, budget, plan, now)
-            if n == 0:
-                self.policy.requeue_front(picked[i:])  # KV memory short: keep their order
+            if n == 0:  # KV memory short
+                held += picked[i:]
                 self._admit_blocked_at = self.cache.num_free
-                return
+                break
             self._admit_blocked_at = -1
             budget -= n
+            slots -= slot
+        if held:
+            self.policy.requeue_front(held)
 
     def _admit(self, req: EngineRequest, budget: int, plan: StepPlan, now: float) -> int:
         """Start ``req`` with its cached prefix and a first chunk; returns the tokens
@@ -346,6 +370,7 @@ class SimEngine(CachedEngine):
         req.num_stored_blocks = cached // bs
         req.status = _RUNNING
         self._running.append(req)
+        self._slotted += self._takes_slot(req)
         if req.first_scheduled is None:
             req.first_scheduled = now
             req.num_cached_tokens = cached
@@ -410,6 +435,7 @@ class SimEngine(CachedEngine):
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = now
+        self._slotted -= self._takes_slot(req)
         self.cache.free(req.block_ids)
         req.block_ids = []
         del self._requests[req.request_id]

@@ -21,8 +21,9 @@ How the five docs/design.md section 6 policies fit:
 - ``srjf_calibrated`` (PrefillOnly): ``select`` recomputes its score against ``cache``
   every step (it is called every step) and returns at most one request.
 - ``batch_groups`` (BatchLLM): ``select`` returns whole prefix groups while the
-  ``token_budget`` and its own KV-memory threshold (a fraction of ``EngineView.num_blocks``)
-  allow, not a request count.
+  ``token_budget`` and its own KV token threshold allow, not a request count: its planned
+  batch requests hold no sequence slot (``takes_slot``), so the engine runs them beyond
+  ``max_num_seqs`` and ``max_requests`` counts only the others.
 
 The engine passes itself as ``cache``: an ``EngineView``, i.e. the ``CacheProbe`` plus
 the capacity figures (KV blocks, free blocks, sequence slots) the last two policies need.
@@ -117,8 +118,16 @@ class LocalPolicy(Protocol):
         self, now: float, max_requests: int, token_budget: int, cache: EngineView
     ) -> list[EngineRequest]:
         """Requests to admit this step, in order, removed from the queue; at most
-        ``max_requests``, stopping once their prefill estimates use up ``token_budget``."""
+        ``max_requests`` that take a slot (``takes_slot``), stopping once their prefill
+        estimates use up ``token_budget``."""
         ...
+
+    def takes_slot(self, req: EngineRequest) -> bool:
+        """Whether ``req``, once running, holds one of the engine's ``max_num_seqs`` sequence
+        slots (``select``'s ``max_requests`` counts only these). Default: every request
+        does; a policy that bounds some requests by KV memory itself answers False for
+        them (``batch_groups``: planned batch requests, docs/design.md section 6)."""
+        return True
 
     def preempt(
         self, now: float, running: Sequence[EngineRequest], cache: EngineView
@@ -172,6 +181,12 @@ class WaitingQueue:
     def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
         """Prepend to the front lane keeping ``reqs``' order."""
         self.front.extendleft(reversed(reqs))
+
+    def peek_oldest(self) -> EngineRequest | None:
+        """What ``pop_oldest`` would return, left in place."""
+        if self.front:
+            return self.front[0]
+        return next(iter(self.queue.values()), None)
 
     def pop_oldest(self) -> EngineRequest | None:
         """Front lane first, then earliest arrival."""

@@ -22,11 +22,15 @@ member). If the leader stops without caching the prefix (finished, aborted, requ
 later evicted), the next member becomes leader. Batch requests arriving with the running
 group's prefix join it.
 
-Batches are bounded by KV memory and tokens, not by a request count: batch admissions
-stop once the engine's referenced KV blocks plus the new request's (prompt and predicted
-or maximum output, less its cached prefix) would pass ``memory_threshold`` of
-``EngineView.num_blocks``, or the step's token budget (its chunk size) is spent; only the
-engine's free sequence slots bound the count.
+Batches are bounded by KV memory (BatchLLM's memory-centric token batching), not by a
+request count: batch admissions stop once the engine's referenced KV blocks, plus what the
+running batch requests will still add, plus the new request's (prompt and predicted or
+maximum output, less its cached prefix) would pass the KV token threshold (``kv_tokens``,
+else ``memory_threshold`` of ``EngineView.num_blocks``), or once the step's token budget
+(its chunk size) is spent. Batch requests hold no sequence slot (``takes_slot``): the
+engine runs them beyond ``max_num_seqs``, which stays whole for interactive requests (the
+sim engine caps them only where a step could no longer decode every running request,
+docs/design.md section 6).
 """
 
 from __future__ import annotations
@@ -57,14 +61,27 @@ DEFAULT_SCAN_LIMIT = 4096
 class BatchGroupsConfig:
     """Knobs of ``batch_groups``."""
 
-    # M_threshold as a fraction of the engine's KV blocks.
+    # M_threshold as a fraction of the engine's KV blocks (used when kv_tokens is 0).
     memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
+    # The KV token threshold itself (tokens of KV the engine may hold, running requests
+    # included, before batch admissions stop); 0 = memory_threshold of the engine's pool.
+    kv_tokens: int = 0
     # Waiting batch requests considered per group choice.
     scan_limit: int = DEFAULT_SCAN_LIMIT
+    # True: batch requests hold sequence slots like any other, so max_num_seqs caps them
+    # too (request-count batching, the baseline the KV threshold replaces; comparisons).
+    batch_slots: bool = False
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.memory_threshold <= 1.0 or self.scan_limit < 1:
+        if (not 0.0 < self.memory_threshold <= 1.0 or self.kv_tokens < 0
+                or self.scan_limit < 1):
             raise ValueError(f"invalid batch_groups config: {self}")
+
+    def limit_blocks(self, cache: EngineView) -> float:
+        """The KV token threshold in ``cache``'s blocks."""
+        if self.kv_tokens:
+            return self.kv_tokens / cache.block_size
+        return self.memory_threshold * cache.num_blocks
 
 
 @dataclass(slots=True)
@@ -100,6 +117,8 @@ class BatchGroupsPolicy(LocalPolicy):
         self._counts: dict[int, int] = {}
         # The group being admitted.
         self._group: PrefixGroup | None = None
+        # Batch requests admitted and maybe still running, by id (``_growth``).
+        self._admitted: dict[str, EngineRequest] = {}
         # The other groups, best first, as last computed; None after a push changed them.
         # Kept between steps so that a run of single-request groups costs one grouping,
         # not one per group; members that left the pool meanwhile are skipped.
@@ -203,27 +222,38 @@ class BatchGroupsPolicy(LocalPolicy):
 
     # ------------------------------------------------------------------ scheduling
 
+    def takes_slot(self, req: EngineRequest) -> bool:
+        """Interactive requests hold a sequence slot; batch ones are bounded by the KV
+        token threshold instead (unless ``batch_slots``)."""
+        return self.config.batch_slots or not req.batch_id
+
     def select(
         self, now: float, max_requests: int, token_budget: int, cache: EngineView
     ) -> list[EngineRequest]:
-        """Requeued, then interactive (FCFS), then the current batch group's members while
-        KV memory (below the threshold) and the token budget allow."""
+        """Requeued, then interactive (FCFS) while slots last, then the current batch
+        group's members while KV memory (below the threshold) and the token budget allow;
+        ``max_requests`` counts slot holders only."""
         out: list[EngineRequest] = []
         budget = token_budget
+        slots = max_requests
         q = self._interactive
-        while len(out) < max_requests and budget > 0:
-            req = q.pop_oldest()
-            if req is None:
+        while budget > 0 and (req := q.peek_oldest()) is not None:
+            slot = self.takes_slot(req)  # a requeued batch request needs none
+            if slot and slots <= 0:
                 break
+            q.pop_oldest()
+            slots -= slot
             out.append(req)
             budget -= prefill_estimate(req, cache)
         if not self._batch:
             return out
-        limit = self.config.memory_threshold * cache.num_blocks
-        used = cache.num_blocks - cache.num_free_blocks  # referenced by running requests
+        limit = self.config.limit_blocks(cache)
+        # Referenced by running requests now, plus what the running batch requests will
+        # still add before they end, plus what this step's picks will hold.
+        used = cache.num_blocks - cache.num_free_blocks + self._growth(cache.block_size)
         for req in out:
             used += self._blocks_needed(req, cache)
-        while len(out) < max_requests and budget > 0:
+        while budget > 0:
             picked = self._next_batch(out, cache)
             if picked is None:
                 break
@@ -233,10 +263,24 @@ class BatchGroupsPolicy(LocalPolicy):
                 g.members.appendleft(req)  # over the threshold: it waits for memory
                 break
             self._take(req)
+            self._admitted[req.request_id] = req
             out.append(req)
             used += need
             budget -= prefill_estimate(req, cache)
         return out
+
+    def _growth(self, block_size: int) -> int:
+        """KV blocks the running batch requests admitted here will still add: each one's
+        final size (prompt plus predicted, else maximum, output) less what it has
+        computed. Forgets those no longer running (finished, aborted, requeued)."""
+        total = 0
+        for rid, req in list(self._admitted.items()):
+            if req.status is not RequestStatus.RUNNING:
+                del self._admitted[rid]
+                continue
+            computed = -(-req.num_computed_tokens // block_size)
+            total += max(_final_blocks(req, block_size) - computed, 0)
+        return total
 
     def _next_batch(
         self, out: list[EngineRequest], cache: EngineView
@@ -279,6 +323,11 @@ class BatchGroupsPolicy(LocalPolicy):
         """KV blocks ``req`` will hold at its end: prompt plus predicted (else maximum)
         output, less the whole blocks it finds cached now."""
         bs = cache.block_size
-        out = int(req.predicted_output) or req.max_tokens
         cached = cache.cached_prefix_tokens(req.block_hashes) // bs
-        return max(-(-(req.num_prompt_tokens + out) // bs) - cached, 0)
+        return max(_final_blocks(req, bs) - cached, 0)
+
+
+def _final_blocks(req: EngineRequest, block_size: int) -> int:
+    """KV blocks of ``req``'s prompt plus predicted (else maximum) output."""
+    out = int(req.predicted_output) or req.max_tokens
+    return -(-(req.num_prompt_tokens + out) // block_size)

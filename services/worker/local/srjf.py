@@ -32,20 +32,16 @@ from prefixmesh.services.worker.local.base import (
     tokens_to_prefill,
 )
 
-# PrefillOnly's lambda: tokens of prefill a request is credited per second it waits.
-DEFAULT_LAMBDA_TOKENS_PER_S = 500.0
-# Oldest waiting requests scored per step (requests); only bites in deep overload.
-DEFAULT_SCAN_LIMIT = 4096
-
 
 @dataclass(frozen=True, slots=True)
 class SrjfConfig:
     """Knobs of ``srjf_calibrated``."""
 
-    # lambda: tokens per second waited subtracted from the score.
-    lambda_tokens_per_s: float = DEFAULT_LAMBDA_TOKENS_PER_S
-    # Oldest waiting requests scored per select.
-    scan_limit: int = DEFAULT_SCAN_LIMIT
+    # PrefillOnly's lambda: tokens of prefill a request is credited per second it waits
+    # (subtracted from its score).
+    lambda_tokens_per_s: float = 500.0
+    # Oldest waiting requests scored per select (requests); only bites in deep overload.
+    scan_limit: int = 4096
 
     def __post_init__(self) -> None:
         if self.lambda_tokens_per_s < 0 or self.scan_limit < 1:
