@@ -17,10 +17,10 @@ from typing import Any
 
 from prefixmesh.services.edge.batch_format import ENDPOINTS, BatchLine, LineError, parse_lines
 from prefixmesh.services.edge.batch_plan import BatchPlan, computed_tokens, plan_batch, saving_ratio
-from prefixmesh.services.tokenizer.logic import BadRequest, tokenize
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.openai.schema import ApiError, ParsedRequest, parse_chat, parse_completion
 from prefixmesh.shared.text.gguf_vocab import GgufTokenizerError
+from prefixmesh.shared.text.requests import BadRequest, tokenize
 from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.wire import TokenizeRequest
 

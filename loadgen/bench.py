@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -11,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
+import uvloop
 
 from prefixmesh.loadgen.client import run_open_loop
 from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
@@ -71,9 +71,10 @@ def run_bench(url: str, spec: WorkloadSpec, rate: float, duration_s: float, mode
     if text_prompts:
         requests = as_text(requests)
     arrivals = [t * time_scale for t in spec.times(rate, count)]
-    model = model or asyncio.run(first_model(url))
+    model = model or uvloop.run(first_model(url))
     bar = Progress(count, progress)
-    results, wall = asyncio.run(run_open_loop(url, model, requests, arrivals, on_done=bar))
+    # uvloop, as the services run: the client must not be what limits the rate.
+    results, wall = uvloop.run(run_open_loop(url, model, requests, arrivals, on_done=bar))
     if progress:
         print(file=sys.stderr)
     row = summarize(results, wall, workload=spec.workload, rate=rate, **labels)

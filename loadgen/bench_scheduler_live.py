@@ -7,21 +7,34 @@ says one already serves ``--prefix`` on that NATS. It registers
 the in-process benchmark as TokenizedRequests over NATS with ``--in-flight`` outstanding, and
 reports decisions per second and client-side latency percentiles (request/reply round
 trip: msgpack encode, NATS hop, decision, reply).
+
+The client routes as the edge does (``shared/bus.py`` ``RequestBatcher``): while
+``--route-inflight`` messages are unanswered, new requests wait and go together in the
+next one, ``--route-batch`` at most (``--route-batch 1``: one message per request). Each
+request's latency runs from its own send to its own answer. ``--in-flight`` client loops
+each send the next request as soon as theirs is answered; the prepared messages are moved
+out of the garbage collector's sight (``gc.freeze``) so that the client's own collections
+do not stall it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from prefixmesh.loadgen import stalls
 from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
+from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
-from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.bus import BatchLimits, Bus
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
@@ -32,11 +45,23 @@ from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.wire import (
     ROUTE_REPLY,
     LoadReportEvent,
+    RouteReply,
     SamplingParams,
     TokenizedRequest,
+    route_message,
+    route_replies,
 )
 
 PREFIX = "benchlive"
+# What --stalls times in the scheduler (those the code run lacks are skipped): its periodic
+# steps and what they spend most in.
+STALL_TIMED = (
+    "prefixmesh.services.scheduler.policies.e2:E2Policy.tick",
+    "prefixmesh.services.scheduler.prefix_tree:PrefixTree.enforce_budget",
+    "prefixmesh.services.scheduler.stats:build_stats",
+    "prefixmesh.services.scheduler.stats:HotPrefixWalk.step",
+    "prefixmesh.services.scheduler.store:StateStore.flush",
+)
 REPORT_INTERVAL_S = 0.25
 BLOCKS_PER_WORKER = 12_407  # mistral-7b-a6000: 198,516 tokens / 16
 
@@ -50,7 +75,7 @@ async def _report_loop(bus: Bus, workers: list[str]) -> None:
         await asyncio.sleep(REPORT_INTERVAL_S)
 
 
-async def _run(nats_url: str, args: argparse.Namespace) -> dict:
+async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int]]) -> dict:
     bus = await Bus.connect(nats_url, Subjects(args.prefix), "bench-live")
     workers = [f"w{i}" for i in range(args.workers)]
     reporter = asyncio.create_task(_report_loop(bus, workers))
@@ -71,31 +96,54 @@ async def _run(nats_url: str, args: argparse.Namespace) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"scheduler never routed: {reply.error}")
             await asyncio.sleep(0.1)
-        latencies: list[float] = []
-        sem = asyncio.Semaphore(args.in_flight)
+        gc.freeze()  # the prepared messages live all run long: keep them out of collections
+        limits = BatchLimits(max_batch=args.route_batch, max_inflight=args.route_inflight)
+        async with bus.batcher(bus.subjects.route, route_message, route_replies, 10,
+                               limits) as router:
+            latencies: list[float] = []
 
-        async def one(msg: TokenizedRequest, timed: bool) -> None:
-            async with sem:
-                t0 = time.perf_counter()
-                r = await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)
-                if not r.worker_id:
-                    raise RuntimeError(f"routing failed: {r.error}")
-                if timed:
-                    latencies.append(time.perf_counter() - t0)
+            async def route(msg: TokenizedRequest) -> RouteReply:
+                if args.route_batch == 1:  # one message per request, as an unbatched edge
+                    return await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)
+                return await router.request(msg)
 
-        await asyncio.gather(*(one(m, False) for m in msgs[: args.warmup]))
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(m, True) for m in msgs[args.warmup:]))
-        elapsed = time.perf_counter() - t0
+            async def loop(pending: Iterator[TokenizedRequest], timed: bool) -> None:
+                for msg in pending:  # shared by every loop: each message is sent once
+                    t0 = time.perf_counter()
+                    r = await route(msg)
+                    if not r.worker_id:
+                        raise RuntimeError(f"routing failed: {r.error}")
+                    if timed:
+                        latencies.append(time.perf_counter() - t0)
+
+            warm = iter(msgs[: args.warmup])
+            await asyncio.gather(*(loop(warm, False) for _ in range(args.in_flight)))
+            sent = router.batches
+            timed = iter(msgs[args.warmup:])
+            meter = CpuMeter(pids)
+            t0, wall0 = time.perf_counter(), time.time()
+            await asyncio.gather(*(loop(timed, True) for _ in range(args.in_flight)))
+            elapsed = time.perf_counter() - t0
+            window = (wall0, time.time())
+            cpu = meter.read()
+            messages = router.batches - sent if args.route_batch > 1 else len(latencies)
     finally:
         reporter.cancel()
         await asyncio.gather(reporter, return_exceptions=True)
         await bus.close()
     latencies.sort()
+    stall_sums = stalls.summarize(args.stalls, *window) if args.stalls is not None else None
     return {
         "workload": args.workload, "workers": args.workers, "policy": args.policy,
-        "mode": "live", "in_flight": args.in_flight,
+        "mode": "live", "in_flight": args.in_flight, "route_batch": args.route_batch,
+        "route_inflight": args.route_inflight,
+        "requests_per_message": round(len(latencies) / max(messages, 1), 2),
         "decisions_per_s": round(len(latencies) / elapsed, 1),
+        # CPU per decision of each process: what other load on the machine does not
+        # inflate the way it inflates latency (empty with an external scheduler).
+        "cpu_us_per_decision": {k: round(v / len(latencies) * 1e6, 1) for k, v in cpu.items()},
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        **({"stalls": stall_sums} if stall_sums is not None else {}),
         "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
         "p99_us": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e6, 1),
     }
@@ -111,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5_000, help="untimed decisions first")
     ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
     ap.add_argument("--in-flight", type=int, default=100, help="outstanding requests")
+    ap.add_argument("--route-batch", type=int, default=BatchLimits().max_batch,
+                    help="requests per routing message at most, as the edge's --route-batch "
+                    "(1 = one message per request)")
+    ap.add_argument("--route-inflight", type=int, default=BatchLimits().max_inflight,
+                    help="routing messages awaiting their answer at once, as the edge's "
+                    "--route-inflight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nats-url", default="", help="use this NATS server (default: start one)")
     ap.add_argument("--redis-url", default="",
@@ -118,10 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default=PREFIX, help="subject / Redis key prefix")
     ap.add_argument("--external-scheduler", action="store_true",
                     help="a scheduler already serves --prefix on --nats-url: do not spawn one")
+    ap.add_argument("--stalls", type=Path, default=None,
+                    help="run the scheduler under loadgen/stalls.py: its garbage collections, "
+                    "event-loop lag and slow periodic steps go to this JSON-lines file, and "
+                    "the result sums those of the timed window")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="run the spawned scheduler from the prefixmesh package in this folder "
+                    "(PYTHONPATH; e.g. an older checkout's folders linked as prefixmesh/...)")
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
+    if args.external_scheduler and (args.stalls or args.baseline):
+        ap.error("--stalls and --baseline concern the scheduler this command spawns")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
     procs: list[ManagedProcess] = []
     try:
@@ -134,18 +197,27 @@ def main(argv: list[str] | None = None) -> int:
             if not redis_url:
                 proc, redis_url = start_redis(data_dir=tmp, log_path=tmp / "redis.log")
                 procs.append(proc)
+            argv_sched = [sys.executable, "-m", "prefixmesh.services.scheduler"]
+            if args.stalls is not None:
+                args.stalls.parent.mkdir(parents=True, exist_ok=True)
+                args.stalls.write_text("")  # this run's events only
+                timed = [a for t in STALL_TIMED for a in ("--time", t)]
+                argv_sched = [sys.executable, stalls.__file__, "--out", str(args.stalls), *timed,
+                              "--", "prefixmesh.services.scheduler"]
+            extra = {"PYTHONPATH": str(args.baseline.resolve())} if args.baseline else {}
             procs.append(ManagedProcess(
-                "scheduler", [sys.executable, "-m", "prefixmesh.services.scheduler"],
+                "scheduler", argv_sched,
                 env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
                               PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
                               PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",
                               # The fake workers' reports share this client's busy event
                               # loop: be lenient about their timing.
-                              PM_MISSED_REPORTS="40"),
+                              PM_MISSED_REPORTS="40", **extra),
                 log_path=tmp / "scheduler.log").start())
         import uvloop  # the client's own loop must not be the bottleneck
 
-        result = uvloop.run(_run(nats_url, args))
+        pids = {p.name: [p.pid] for p in procs}
+        result = uvloop.run(_run(nats_url, args, pids))
     finally:
         for proc in reversed(procs):  # scheduler first, then the servers
             proc.stop()

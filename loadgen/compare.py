@@ -39,7 +39,6 @@ requests as a neutral cross-check (``loadgen/guidellm_client.py``); its rows are
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
@@ -54,6 +53,7 @@ from importlib import metadata
 from pathlib import Path
 
 import aiohttp
+import uvloop
 
 from prefixmesh.loadgen.guidellm_client import run_guidellm
 from prefixmesh.loadgen.options import (
@@ -239,13 +239,17 @@ class WorkerGroup:
 class Running:
     """A started contender: its URL and how to stop it."""
 
-    def __init__(self, url: str, stop: Callable[[], object]) -> None:
+    def __init__(self, url: str, stop: Callable[[], object],
+                 pids: dict[str, int] | None = None) -> None:
         self.url, self.stop = url, stop
+        # Its processes by name (what ``prefixmesh bench-router`` reads CPU time of).
+        self.pids = pids or {}
 
 
 def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], serial: int,
-                    log_dir: Path) -> Running:
-    """Start ``c`` in front of ``group``'s workers; returns when it serves."""
+                    log_dir: Path, env: dict[str, str] | None = None) -> Running:
+    """Start ``c`` in front of ``group``'s workers; returns when it serves. ``env``: more
+    environment for a prefixmesh mesh's services (e.g. PYTHONPATH of other code)."""
     if c.family == "prefixmesh":
         opts = MeshOptions(
             workers=0, external_workers=group.n, policy=c.policy, local_policy=c.local_policy,
@@ -255,7 +259,7 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
             # A fresh Redis key prefix: the scheduler must not reload an earlier run's tree.
             # The scheduler's policy clock runs in the workers' model time.
             extra_env={"PM_REDIS_PREFIX": f"cmp{serial}",
-                       "PM_TIME_SCALE": str(group.time_scale)})
+                       "PM_TIME_SCALE": str(group.time_scale), **(env or {})})
         mesh = LocalMesh(opts)
         try:
             mesh.start()
@@ -263,7 +267,7 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
             mesh.stop()
             raise
         time.sleep(1.0)  # a few load reports, so the scheduler has seen every worker
-        return Running(mesh.url, mesh.stop)
+        return Running(mesh.url, mesh.stop, mesh.pids())
     port = free_port()
     argv = [*ROUTERS[c.family][1], "--worker-urls", *group.urls, "--host", "127.0.0.1",
             "--port", str(port), "--policy", c.policy, "--prometheus-port", str(free_port()),
@@ -276,7 +280,7 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
     except BaseException:
         proc.stop()
         raise
-    return Running(url, proc.stop)
+    return Running(url, proc.stop, {c.name: proc.pid})
 
 
 async def probe(url: str, bare_url: str, model: str, n: int = PROBE_REQUESTS
@@ -331,7 +335,7 @@ def run_point(c: Contender, client: str, rate: float, probe_now: bool, group: Wo
         return None
     try:
         if probe_now and client == "prefixmesh":
-            via, bare = asyncio.run(probe(running.url, group.urls[0], model))
+            via, bare = uvloop.run(probe(running.url, group.urls[0], model))
             result["overhead"].append({
                 "contender": c.name, "probe_p50_ms": via * 1e3, "bare_p50_ms": bare * 1e3,
                 "overhead_ms": (via - bare) * 1e3})

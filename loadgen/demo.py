@@ -7,10 +7,11 @@ mesh is stopped, and a table of latency and cache hit ratio is printed.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
+
+import uvloop
 
 from prefixmesh.loadgen.arrivals import poisson
 from prefixmesh.loadgen.client import run_open_loop
@@ -34,7 +35,7 @@ def run_policy(policy: str, workers: int, requests: int, rate: float, seed: int)
                        nats_url=f"nats://127.0.0.1:{free_port()}",
                        redis_url=f"redis://127.0.0.1:{free_port()}/0", log_level="WARNING")
     with LocalMesh(opts) as mesh:
-        results, duration = asyncio.run(run_open_loop(mesh.url, MODEL, reqs, arrivals))
+        results, duration = uvloop.run(run_open_loop(mesh.url, MODEL, reqs, arrivals))
     errors = {r.error for r in results if not r.ok}
     for e in list(errors)[:3]:
         print(f"  {policy}: failed request: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -53,34 +54,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     seed=args.seed, json_out=args.json)
 
 
-def _workloads(argv: list[str]) -> int:
-    from prefixmesh.loadgen.stats import main as stats_main
-
-    return stats_main(argv)
-
-
-def _bench(argv: list[str]) -> int:
-    from prefixmesh.loadgen.bench import main as bench_main
-
-    return bench_main(argv)
-
-
-def _report(argv: list[str]) -> int:
-    from prefixmesh.loadgen.report import main as report_main
-
-    return report_main(argv)
-
-
-def _fidelity(argv: list[str]) -> int:
-    from prefixmesh.loadgen.fidelity import main as fidelity_main
-
-    return fidelity_main(argv)
-
-
-def _sim(argv: list[str]) -> int:
-    from prefixmesh.loadgen.sweep import main as sim_main
-
-    return sim_main(argv)
+def _bench_scheduler(argv: list[str]) -> int:
+    live = "--live" in argv
+    module = "bench_scheduler_live" if live else "bench_scheduler"
+    return _run_module(f"prefixmesh.loadgen.{module}", [a for a in argv if a != "--live"])
 
 
 def _worker(argv: list[str]) -> int:
@@ -89,52 +66,36 @@ def _worker(argv: list[str]) -> int:
     return worker_main(argv, standalone=True)
 
 
-def _compare(argv: list[str]) -> int:
-    from prefixmesh.loadgen.compare import main as compare_main
-
-    return compare_main(argv)
-
-
-def _bench_scheduler(argv: list[str]) -> int:
-    if "--live" in argv:
-        from prefixmesh.loadgen.bench_scheduler_live import main as live_main
-
-        return live_main([a for a in argv if a != "--live"])
-    from prefixmesh.loadgen.bench_scheduler import main as bench_main
-
-    return bench_main(argv)
+def _run_module(module: str, argv: list[str]) -> int:
+    """``main(argv)`` of ``module``, imported only when its verb runs."""
+    return int(importlib.import_module(module).main(argv))
 
 
-def _batch(argv: list[str]) -> int:
-    from prefixmesh.loadgen.batch_cli import main as batch_main
-
-    return batch_main(argv)
-
-
-def _predictor(argv: list[str]) -> int:
-    from prefixmesh.loadgen.predictor.train import main as predictor_main
-
-    return predictor_main(argv)
-
-
-# Verbs whose module owns its argument parser: ``prefixmesh VERB --help`` is theirs.
-DELEGATED: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+# Verbs whose module owns its argument parser: ``prefixmesh VERB --help`` is theirs. Each
+# names its help line and its module (a ``main(argv) -> int``) or a function of its own.
+DELEGATED: dict[str, tuple[str, str | Callable[[list[str]], int]]] = {
     "workloads": ("list the workloads; --stats prints their generated statistics",
-                  _workloads),
-    "bench": ("open-loop HTTP load against an OpenAI-compatible endpoint", _bench),
-    "sim": ("virtual-time cluster simulation over rates and policies", _sim),
-    "report": ("markdown tables and latency-vs-rate plots from result files", _report),
+                  "prefixmesh.loadgen.stats"),
+    "bench": ("open-loop HTTP load against an OpenAI-compatible endpoint",
+              "prefixmesh.loadgen.bench"),
+    "sim": ("virtual-time cluster simulation over rates and policies",
+            "prefixmesh.loadgen.sweep"),
+    "report": ("markdown tables and latency-vs-rate plots from result files",
+               "prefixmesh.loadgen.report"),
     "fidelity": ("the same config through the live mesh and the simulator, side by side",
-                 _fidelity),
+                 "prefixmesh.loadgen.fidelity"),
     "worker": ("one engine replica; --http PORT serves it standalone (OpenAI, SGLang and "
                "vLLM routes) for third-party routers", _worker),
     "compare": ("prefixmesh vs sglang-router / vllm-router in front of the same simulated "
-                "GPUs", _compare),
-    "predictor": ("train / evaluate TRAIL's output-length predictor ([ml] extra)", _predictor),
+                "GPUs", "prefixmesh.loadgen.compare"),
+    "predictor": ("train / evaluate TRAIL's output-length predictor ([ml] extra)",
+                  "prefixmesh.loadgen.predictor.train"),
     "batch": ("offline batches: 'batch plan FILE.jsonl' shows the planner's groups and the "
-              "prefill tokens it saves, without running anything", _batch),
+              "prefill tokens it saves, without running anything", "prefixmesh.loadgen.batch_cli"),
     "bench-scheduler": ("time the global policy's routing decisions (add --live for the "
                         "scheduler service over NATS)", _bench_scheduler),
+    "bench-router": ("closed-loop capacity of prefixmesh, sglang-router and direct-to-worker "
+                     "in front of the same simulated GPUs", "prefixmesh.loadgen.bench_router"),
 }
 
 
@@ -157,7 +118,10 @@ COMMANDS = {"up": _cmd_up, "demo": _cmd_demo}
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
-        return DELEGATED[argv[0]][1](argv[1:])
+        target = DELEGATED[argv[0]][1]
+        if isinstance(target, str):
+            return _run_module(target, argv[1:])
+        return target(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     return COMMANDS[args.verb](args)

@@ -16,7 +16,10 @@ SCHEDULER_GROUP = "scheduler"
 _FIXED = {
     "tokenize": "tok.encode",  # tokenizer queue group: TokenizeRequest -> TokenizeReply
     "predict_length": "predict.length",  # predictor queue group: output-length prediction
-    "route": "sched.route",  # scheduler: TokenizedRequest -> RouteReply
+    "route": "sched.route",  # scheduler: TokenizedRequest -> RouteReply (or batches of them)
+    # scheduler: TokenizedRequest with its token ids -> handed to the chosen worker, whose
+    # SubmitReply answers (a SubmitReply without worker id from the scheduler: none)
+    "place": "sched.place",
     "kv_all": "kv.*",  # every worker's KV events
     "load_all": "load.*",  # every worker's load reports
     "done": "done",  # completion records (RequestDoneEvent), one per request
@@ -34,6 +37,7 @@ class Subjects:
     tokenize: str = field(init=False)
     predict_length: str = field(init=False)
     route: str = field(init=False)
+    place: str = field(init=False)
     kv_all: str = field(init=False)
     load_all: str = field(init=False)
     done: str = field(init=False)

@@ -188,7 +188,21 @@ class ResyncRequest(_Msg):
     reason: str = ""
 
 
-SchedulerRequest = TokenizedRequest
+class RouteBatchRequest(_Msg):
+    """Several routing requests in one message (subject ``sched.route``): what an edge
+    asks in one turn of its event loop goes together, so a busy edge pays one NATS message
+    per batch instead of one per request. Decided in order."""
+
+    requests: list[TokenizedRequest]
+
+
+class RouteBatchReply(_Msg):
+    """The answers to a ``RouteBatchRequest``, one ``RouteReply`` per request, in order."""
+
+    replies: list[RouteReply]
+
+
+SchedulerRequest = TokenizedRequest | RouteBatchRequest
 
 
 # --------------------------------------------------------------------------- worker
@@ -413,8 +427,10 @@ TOKENIZER_REQUEST: _Decoder[TokenizerRequest] = _Decoder(TokenizerRequest)
 TOKENIZER_REPLY: _Decoder[TokenizerReply] = _Decoder(TokenizerReply)
 PREDICT_REQUEST = _Decoder(PredictLengthRequest)
 PREDICT_REPLY = _Decoder(PredictLengthReply)
-ROUTE_REQUEST = _Decoder(SchedulerRequest)
+ROUTE_REQUEST: _Decoder[SchedulerRequest] = _Decoder(SchedulerRequest)
 ROUTE_REPLY = _Decoder(RouteReply)
+ROUTE_BATCH_REPLY: _Decoder[RouteReply | RouteBatchReply] = _Decoder(RouteReply | RouteBatchReply)
+PLACE_REQUEST = _Decoder(TokenizedRequest)
 WORKER_REQUEST: _Decoder[WorkerRequest] = _Decoder(WorkerRequest)
 SUBMIT_REPLY = _Decoder(SubmitReply)
 STREAM_EVENT: _Decoder[StreamEvent] = _Decoder(StreamEvent)
@@ -424,3 +440,15 @@ BUS_EVENT: _Decoder[BusEvent] = _Decoder(BusEvent)
 def encode(msg: msgspec.Struct) -> bytes:
     """Encode any wire message to msgpack bytes."""
     return ENCODER.encode(msg)
+
+
+def route_message(requests: list[TokenizedRequest]) -> SchedulerRequest:
+    """What ``sched.route`` carries for ``requests``: one goes as itself (any scheduler
+    reads it), several as a ``RouteBatchRequest``."""
+    return requests[0] if len(requests) == 1 else RouteBatchRequest(requests=requests)
+
+
+def route_replies(data: bytes) -> list[RouteReply]:
+    """The ``RouteReply`` list of a ``sched.route`` reply (one reply or a batch's)."""
+    reply = ROUTE_BATCH_REPLY.decode(data)
+    return [reply] if isinstance(reply, RouteReply) else reply.replies

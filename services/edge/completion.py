@@ -109,16 +109,21 @@ async def complete(mesh: MeshClient, cfg: EdgeConfig, parsed: ParsedRequest, rid
     counted = first_of_prompt(len(prompts), parsed.n)
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     deadline = time.time() + mesh.timeouts.request_s
-    tasks = [asyncio.create_task(_choice_with_failover(mesh, c, parsed, tenant, batch_id,
-                                                       worker_id, deadline),
-                                 name=c.request_id)
-             for c in fan_out(rid, prompts, parsed.n)]
-    try:
-        results = await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    choices = fan_out(rid, prompts, parsed.n)
+    if len(choices) == 1:  # the usual request: run in place, no task of its own
+        results = [await _choice_with_failover(mesh, choices[0], parsed, tenant, batch_id,
+                                               worker_id, deadline)]
+    else:
+        tasks = [asyncio.create_task(_choice_with_failover(mesh, c, parsed, tenant, batch_id,
+                                                           worker_id, deadline),
+                                     name=c.request_id)
+                 for c in choices]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     failed = [r for r in results if r.error]
     if failed:
         raise ApiError(503, f"generation failed: {failed[0].error}", type="service_unavailable",

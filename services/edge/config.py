@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from prefixmesh.shared.bus import BatchLimits
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 from prefixmesh.shared.models import DEFAULT_MODEL, known_cards
 from prefixmesh.shared.runtime.config import CommonConfig, option
@@ -21,8 +22,27 @@ class EdgeConfig(CommonConfig):
                                 "model's context length, shared/models.py)")
     max_body_bytes: int = option(16 * 1024 * 1024, "largest request body accepted (413 above)")
     tokenize_timeout_s: float = option(10.0, "seconds to wait for the tokenizer")
+    local_tokenize_chars: int = option(1024, "text prompts of at most this many characters "
+                                       "(chat: all messages' contents) are tokenized by the "
+                                       "edge itself, longer ones by the tokenizer service "
+                                       "(0 = every prompt by the service)")
+    tokenizer_path: str = option("", "the tokenizer.json the edge tokenizes short prompts "
+                                 "with: the tokenizer service's (empty = SmolLM2's, as there)")
     route_timeout_s: float = option(2.0, "seconds to wait for the scheduler")
     route_retry_s: float = option(8.0, "seconds to keep retrying while no scheduler answers")
+    route_batch: int = option(BatchLimits().max_batch,
+                              "routing requests sent to the scheduler in one message at most: "
+                              "those made in the same turn of the event loop go together "
+                              "(1 = one message each, no batching)")
+    route_inflight: int = option(BatchLimits().max_inflight,
+                                 "routing messages awaiting the scheduler's answer at once "
+                                 "(with route_batch > 1); requests made meanwhile wait and go "
+                                 "together in the next")
+    place_max_tokens: int = option(256, "prompts of at most this many tokens go to the "
+                                   "scheduler whole, which hands them to the chosen worker "
+                                   "itself (one hop less); longer ones are routed by their "
+                                   "block hashes, then submitted by the edge (0 = always the "
+                                   "two steps)")
     submit_timeout_s: float = option(2.0, "seconds to wait for a worker to accept")
     request_timeout_s: float = option(600.0, "seconds a request may take end to end")
     worker_silence_s: float = option(1.0, "seconds without load reports after which a "

@@ -3,6 +3,13 @@
 One ``MeshClient`` per edge process. Token streams from workers arrive on the edge's own
 inbox subject (``stream.<edge_id>.*``) and are dispatched to per-request queues.
 
+Fewer hops where they cost: a short text prompt is tokenized in the edge itself
+(``LocalTokenizer``, the tokenizer service's own ``shared/text/requests.handle``), a long
+one by the tokenizer service; token-id prompts skip tokenization; a short prompt reaches
+its worker through the scheduler in one hop (``sched.place``); the routing requests of
+longer ones asked in one turn of the event loop go to the scheduler together
+(``RequestBatcher``).
+
 Worker failover (docs/design.md section 12): while a request waits on its worker, the edge
 watches that worker's load reports (``WorkerDirectory``). A worker silent for
 ``worker_silence_s`` is presumed dead: a request that has yielded nothing yet is placed
@@ -21,11 +28,15 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import msgspec
+from prometheus_client import Counter
 
+from prefixmesh.services.edge.shortcuts import PLACE_BACKOFF_S, Shortcuts
+from prefixmesh.services.edge.streams import StreamDispatcher
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.blocks import block_hashes
-from prefixmesh.shared.bus import Bus, BusUnavailable
+from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable, RequestBatcher
 from prefixmesh.shared.openai.schema import ApiError, refusal_error
+from prefixmesh.shared.text.requests import handle, prompt_chars
 from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     ROUTE_REPLY,
@@ -38,14 +49,21 @@ from prefixmesh.shared.wire import (
     PredictLengthRequest,
     RequestDoneEvent,
     ResumeRequest,
+    RouteReply,
     SamplingParams,
-    StreamEvent,
+    SubmitReply,
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
+    route_message,
+    route_replies,
 )
 
 log = logging.getLogger(__name__)
+
+TOKENIZED = Counter("prefixmesh_edge_prompts_tokenized_total",
+                    "text and chat prompts tokenized, by where (edge: in place, service: by "
+                    "the tokenizer service)", ["where"])
 
 # Seconds the client is told to wait before retrying when the mesh cannot take a request.
 RETRY_AFTER_S = 1
@@ -74,29 +92,6 @@ class MeshTimeouts:
     worker_silence_s: float = 1.0
 
 
-class StreamDispatcher:
-    """Routes stream events from the edge inbox to the queue of their request."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[StreamEvent]] = {}
-
-    def open(self, request_id: str) -> asyncio.Queue[StreamEvent]:
-        q: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self._queues[request_id] = q
-        return q
-
-    def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._queues)
-
-    async def on_event(self, event: StreamEvent) -> None:
-        q = self._queues.get(event.request_id)
-        if q is not None:  # late events of an aborted/finished request are dropped
-            q.put_nowait(event)
-
-
 class WorkerLost(ApiError):
     """The worker of a request that already yielded tokens stopped reporting (retriable)."""
 
@@ -107,17 +102,34 @@ class WorkerLost(ApiError):
         self.worker_id = worker_id
 
 
+def _refusal(ack: SubmitReply) -> str | None:
+    """None when the worker took the request, else why not. A request its backend cannot
+    serve (a bad_request refusal) raises the client's 400 naming the option at once: every
+    worker of a model runs the same backend, so routing elsewhere cannot help."""
+    if ack.accepted:
+        return None
+    if ack.error is not None and ack.error.code == "bad_request":
+        raise refusal_error(ack.error)
+    return ack.error.message if ack.error else "refused"
+
+
 def unavailable(what: str, exc: Exception) -> ApiError:
     return ApiError(503, f"{what} unavailable: {exc}", type="service_unavailable",
                     code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class MeshClient:
-    """The edge's client for the tokenizer, predictor, scheduler and workers."""
+    """The edge's client for the tokenizer, predictor, scheduler and workers.
+
+    As an async context manager it batches its routing requests (``RequestBatcher``,
+    ``Shortcuts.route_batch``; ``max_batch`` 1 = no batching); outside one it sends each
+    in its own message."""
 
     def __init__(self, bus: Bus, edge_id: str, timeouts: MeshTimeouts, predict: bool,
-                 workers: WorkerDirectory | None = None) -> None:
+                 workers: WorkerDirectory | None = None,
+                 shortcuts: Shortcuts | None = None) -> None:
         self.bus = bus
+        self.shortcuts = shortcuts or Shortcuts(BatchLimits(), place_max_tokens=0)
         self.edge_id = edge_id
         self.timeouts = timeouts
         self.predict = predict
@@ -131,17 +143,40 @@ class MeshClient:
         self._reconnects = 0
         self.failovers = 0  # placements abandoned because their worker fell silent
         self.resumes = 0  # streams a worker was asked to resend (events possibly lost)
+        self._router: RequestBatcher[TokenizedRequest, RouteReply] | None = None
+        # Monotonic time until which ``sched.place`` is not tried (PLACE_BACKOFF_S).
+        self._place_off_until = 0.0
+        self.placed = 0  # requests the scheduler handed to their worker itself
+
+    async def __aenter__(self) -> MeshClient:
+        if self.shortcuts.route_batch.max_batch == 1:
+            return self
+        router = self.bus.batcher(self.bus.subjects.route, route_message, route_replies,
+                                  self.timeouts.route_s, self.shortcuts.route_batch)
+        self._router = await router.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        router, self._router = self._router, None
+        if router is not None:
+            await router.__aexit__(*exc)
 
     async def tokenize(self, request_id: str, text: str | None = None,
                        messages: list[ChatMessage] | None = None,
                        add_special_tokens: bool = True) -> list[int]:
         req = TokenizeRequest(request_id=request_id, text=text, messages=messages,
                               add_special_tokens=add_special_tokens)
-        try:
-            reply = await self.bus.request(self.bus.subjects.tokenize, req, TOKENIZER_REPLY,
-                                           self.timeouts.tokenize_s)
-        except BusUnavailable as exc:
-            raise unavailable("tokenizer", exc) from None
+        local = self.shortcuts.local_tokenizer
+        if local is not None and prompt_chars(req) <= local.max_chars:
+            reply = handle(local.tok, req)
+            TOKENIZED.labels("edge").inc()
+        else:
+            try:
+                reply = await self.bus.request(self.bus.subjects.tokenize, req,
+                                               TOKENIZER_REPLY, self.timeouts.tokenize_s)
+            except BusUnavailable as exc:
+                raise unavailable("tokenizer", exc) from None
+            TOKENIZED.labels("service").inc()
         if reply.error is not None:
             status = 400 if reply.error.code == "bad_request" else 500
             raise ApiError(status, reply.error.message, param="messages" if messages else "prompt")
@@ -179,8 +214,11 @@ class MeshClient:
         backoff = self.timeouts.route_backoff_s
         while True:
             try:
-                reply = await self.bus.request(self.bus.subjects.route, route, ROUTE_REPLY,
-                                               self.timeouts.route_s)
+                if self._router is not None:
+                    reply = await self._router.request(route)
+                else:
+                    reply = await self.bus.request(self.bus.subjects.route, route,
+                                                   ROUTE_REPLY, self.timeouts.route_s)
                 break
             except BusUnavailable as exc:
                 if time.monotonic() + backoff > deadline:
@@ -193,19 +231,13 @@ class MeshClient:
         return reply.worker_id
 
     async def _submit(self, worker_id: str, req: TokenizedRequest) -> str | None:
-        """Hand the request to a worker; returns None on success, else why it failed (a
-        request the worker's backend cannot serve raises the client's 400 at once: every
-        worker of a model runs the same backend, so routing elsewhere cannot help)."""
+        """Hand the request to a worker; returns None on success, else why it failed."""
         try:
             ack = await self.bus.request(self.bus.subjects.worker_submit(worker_id), req,
                                          SUBMIT_REPLY, self.timeouts.submit_s)
         except BusUnavailable as exc:
             return str(exc)
-        if ack.accepted:
-            return None
-        if ack.error is not None and ack.error.code == "bad_request":
-            raise refusal_error(ack.error)
-        return ack.error.message if ack.error else "refused"
+        return _refusal(ack)
 
     def _judging_since(self) -> float:
         """Monotonic time from which a worker's silence counts: our own blindness (NATS
@@ -238,14 +270,43 @@ class MeshClient:
         """Route (or use ``placed``) and submit; a refusing worker is excluded and the
         request routed again, up to ``attempts`` times. Returns the accepting worker."""
         for _attempt in range(self.timeouts.attempts):
-            worker_id = placed or await self._route(req)
-            placed = ""
-            failure = await self._submit(worker_id, req)
+            if placed:
+                worker_id, failure = placed, await self._submit(placed, req)
+                placed = ""
+            elif (len(req.token_ids) <= self.shortcuts.place_max_tokens
+                  and time.monotonic() >= self._place_off_until):
+                worker_id, failure = await self._route_and_submit(req)
+            else:
+                worker_id = await self._route(req)
+                failure = await self._submit(worker_id, req)
             if failure is None:
                 return worker_id
             log.warning("worker %s did not take %s: %s", worker_id, req.request_id, failure)
             req.exclude.append(worker_id)
         raise unavailable("workers", RuntimeError(f"{len(req.exclude)} workers refused"))
+
+    async def _route_and_submit(self, req: TokenizedRequest) -> tuple[str, str | None]:
+        """One hop: the scheduler routes the whole request and hands it to the chosen
+        worker (``sched.place``), whose SubmitReply answers here. Returns the worker and,
+        if it did not take the request, why. Unanswered (no scheduler serves the subject,
+        or the worker it chose is gone), the request takes the two steps, which tell
+        those apart, and so do the next ones for ``PLACE_BACKOFF_S``."""
+        try:
+            ack = await self.bus.request(self.bus.subjects.place, req, SUBMIT_REPLY,
+                                         self.timeouts.route_s + self.timeouts.submit_s)
+        except BusUnavailable as exc:
+            log.info("placing through the scheduler failed (%s); routing, then submitting",
+                     exc)
+            self._place_off_until = time.monotonic() + PLACE_BACKOFF_S
+            worker_id = await self._route(req)
+            return worker_id, await self._submit(worker_id, req)
+        if not ack.worker_id:  # the scheduler's own answer: no worker for it
+            why = ack.error.message if ack.error else "no worker chosen"
+            raise unavailable("workers", RuntimeError(why))
+        if not ack.accepted:
+            return ack.worker_id, _refusal(ack)
+        self.placed += 1
+        return ack.worker_id, None
 
     async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams,
                        tenant: str, batch_id: str = "", worker_id: str = "",
@@ -292,10 +353,7 @@ class MeshClient:
                     remaining = deadline - time.time()
                     if remaining <= 0:
                         raise ApiError(504, "request timed out", type="timeout", code="timeout")
-                    try:
-                        event = await asyncio.wait_for(queue.get(), min(remaining, self._tick()))
-                    except TimeoutError:
-                        event = None
+                    event = await queue.get(min(remaining, self._tick()))
                     gap = False
                     if isinstance(event, GenerateChunkEvent) and event.token_ids:
                         end = event.index + len(event.token_ids)

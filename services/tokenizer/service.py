@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Histogram
 
-from prefixmesh.services.tokenizer.logic import handle
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
 from prefixmesh.shared.subjects import TOKENIZER_GROUP, Subjects
+from prefixmesh.shared.text.requests import handle
 from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.wire import (
     TOKENIZER_REQUEST,

@@ -30,11 +30,14 @@ from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers 
 pytestmark = pytest.mark.timeout(240)
 
 WORKERS = 3
-# Load: requests over a few shared prefixes (token-id prompts skip the tokenizer hop, so one
-# text request per round keeps the tokenizer's metrics alive).
+# Load: requests over a few shared prefixes (token-id prompts skip the tokenizer hop, and the
+# edge tokenizes short text itself, so one long text request per round keeps the tokenizer
+# service's metrics alive).
 PREFIXES = 4
 PREFIX_TOKENS = 512
 SUFFIX_TOKENS = 32
+# Longer than the edge tokenizes itself (EdgeConfig.local_tokenize_chars): the service does.
+LONG_TEXT = "a long text prompt goes through the tokenizer service. " * 40
 REQUESTS_PER_ROUND = 48
 CONCURRENCY = 8
 HTTP_TIMEOUT_S = 60.0
@@ -113,8 +116,7 @@ def load_round(mesh: LocalMesh, seed: int, requests: int = REQUESTS_PER_ROUND) -
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         ok = sum(pool.map(one, range(requests)))
-    _post(url, {"model": MODEL, "prompt": "a text prompt goes through the tokenizer",
-                "max_tokens": 4})
+    _post(url, {"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 4})
     return ok
 
 

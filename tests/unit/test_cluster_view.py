@@ -12,7 +12,7 @@ from prefixmesh.services.metrics.cluster import (
     percentile,
 )
 from prefixmesh.services.scheduler.prefix_tree import PrefixTree
-from prefixmesh.services.scheduler.stats import hot_prefixes
+from prefixmesh.services.scheduler.stats import HotPrefixWalk, hot_prefixes
 from prefixmesh.shared.wire import (
     LoadReportEvent,
     RequestDoneEvent,
@@ -47,6 +47,37 @@ def test_hot_prefixes_keep_the_top_k() -> None:
             _route(tree, [1000 * (p + 1), 1000 * (p + 1) + 1, 10_000 + 100 * p + i], "w0")
     assert [h.requests for h in hot_prefixes(tree, k=3)] == [5, 4, 3]
     assert hot_prefixes(PrefixTree()) == []
+
+
+def _busy_tree() -> PrefixTree:
+    tree = PrefixTree(block_size=16)
+    for p in range(12):
+        shared = [10_000 * (p + 1) + j for j in range(3)]
+        for i in range(p + 2):
+            _route(tree, shared + [10_000 * (p + 1) + 100 + i], f"w{i % 3}")
+    return tree
+
+
+def test_hot_prefix_walk_in_slices_finds_what_one_walk_finds() -> None:
+    tree = _busy_tree()
+    walk = HotPrefixWalk(tree)
+    slices = 1
+    while not walk.step(1):  # one node a slice: many yields
+        slices += 1
+    assert slices > 3
+    assert walk.result() == hot_prefixes(tree)
+
+
+def test_the_walk_leaves_quiet_subtrees_unvisited() -> None:
+    """Busiest first: once k prefixes are found, what has less traffic is not visited."""
+    tree = _busy_tree()
+    for i in range(200):  # one-off prompts: a node each, one request each
+        _route(tree, [500_000 + 10 * i, 500_001 + 10 * i], "w0")
+    walk = HotPrefixWalk(tree, k=3)
+    while not walk.step(10_000):
+        pass
+    assert walk._visited < 50 < len(tree)
+    assert [h.requests for h in walk.result()] == [13, 12, 11]
 
 
 def _load(w: str, running: int = 1) -> LoadReportEvent:

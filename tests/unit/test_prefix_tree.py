@@ -3,7 +3,7 @@ snapshots."""
 
 from __future__ import annotations
 
-from prefixmesh.services.scheduler.prefix_tree import PrefixTree
+from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_HASHES, PrefixTree
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from tests.helpers import toks
 
@@ -196,3 +196,16 @@ def test_snapshot_restore_round_trip():
         assert [(n.start, n.hashes) for n in copy.worker_lru(w)] == order
     # The hash index works after a restore (KV events).
     assert copy.node_of(prompts[0][-1]) is copy.match(prompts[0])[0]
+
+
+def test_index_updates_are_applied_a_few_at_a_time_not_all_at_the_next_tick() -> None:
+    """Routing inserts nodes without anyone calling maintain(): the queue of index updates
+    never grows past its limit, and every inserted block is found."""
+    tree = PrefixTree()
+    inserted = []
+    for seed in range(5 * INDEX_QUEUE_HASHES // 48):
+        hashes = toks(1000 + seed, 3)  # 48 ids, taken as 48 hashes
+        tree.insert(hashes, now=0.0)
+        inserted.append(hashes[-1])
+        assert sum(len(n.hashes) for n in tree._index_q) < INDEX_QUEUE_HASHES
+    assert all(tree.node_of(h) is not None for h in inserted)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.services.tokenizer.logic import handle
 from prefixmesh.shared.text import gguf_vocab, prepare
 from prefixmesh.shared.text.gguf_vocab import (
     BUILDER_VERSION,
@@ -19,6 +18,7 @@ from prefixmesh.shared.text.gguf_vocab import (
     find_smollm2_gguf,
     is_cache_fresh,
 )
+from prefixmesh.shared.text.requests import handle
 from prefixmesh.shared.text.tokenizer import (
     REPLACEMENT_CHAR,
     SMOLLM2_CHAT_TEMPLATE,

@@ -1,8 +1,10 @@
-"""Request handling of the tokenizer service, free of I/O: one wire request in, one reply out.
+"""Tokenizer requests answered without I/O: one wire request in, one reply out.
 
-``handle`` validates and never raises: a bad request becomes ``ErrorInfo(code="bad_request")``
-and an unexpected failure ``ErrorInfo(code="internal")``, so the NATS shell always has a
-reply to send and a caller never waits for a timeout.
+The tokenizer service answers ``tok.encode`` with ``handle``; the edge calls the same
+function for the short prompts it tokenizes itself, so both validate alike and fail with
+the same errors. ``handle`` validates and never raises: a bad request becomes
+``ErrorInfo(code="bad_request")`` and an unexpected failure ``ErrorInfo(code="internal")``,
+so the NATS shell always has a reply to send and a caller never waits for a timeout.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ def handle(
         return TokenizeReply(request_id=request_id, token_ids=tokenize(tok, req))
     except Exception as exc:
         return TokenizeReply(request_id=request_id, error=_error(request_id, exc))
+
+
+def prompt_chars(req: TokenizeRequest) -> int:
+    """Characters of a request's text or of its messages' contents (its encoding cost)."""
+    if req.messages is not None:
+        return sum(len(m.content) for m in req.messages)
+    return len(req.text or "")
 
 
 def tokenize(tok: TextTokenizer, req: TokenizeRequest) -> list[int]:
