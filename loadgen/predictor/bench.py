@@ -200,7 +200,7 @@ def _run_requests(engine, tok, prompts: list[list[int]], max_tokens: int) -> lis
     engine._forward = timed
     finished: set[str] = set()
 
-    async def emit(out, text: str) -> None:
+    async def emit(out, text: str, logprobs=None) -> None:
         if out.finished:
             finished.add(out.request_id)
 

@@ -146,13 +146,15 @@ def _schemas(cfg: EdgeConfig) -> dict[str, Any]:
         "ScoreResponse": {"type": "object", "required": ["id", "object", "data"], "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["list"]},
             "created": {"type": "integer"}, "model": {"type": "string"},
+            "simulated": {"type": "boolean", "description": "true: the sim backend answered "
+                          "(no model; pseudo-probabilities)"},
             "data": {"type": "array", "items": {"type": "object", "properties": {
                 "index": {"type": "integer"}, "object": {"type": "string"},
                 "scores": {"type": "array", "items": {"type": "object", "properties": {
                     "candidate": {"type": "string", "nullable": True},
                     "token_id": {"type": "integer"},
                     "logprob": {"type": "number", "nullable": True},
-                    "probability": {"type": "number"}}}}}}},
+                    "probability": {"type": "number", "nullable": True}}}}}}},
             "usage": _ref("Usage")}},
         "Model": {"type": "object", "required": ["id", "object"], "properties": {
             "id": {"type": "string"}, "object": {"type": "string"},

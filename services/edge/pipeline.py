@@ -35,7 +35,7 @@ from prefixmesh.services.edge.streams import StreamDispatcher
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable, RequestBatcher
-from prefixmesh.shared.openai.schema import ApiError
+from prefixmesh.shared.openai.schema import ApiError, refusal_error
 from prefixmesh.shared.text.requests import handle, prompt_chars
 from prefixmesh.shared.wire import (
     PREDICT_REPLY,
@@ -51,6 +51,7 @@ from prefixmesh.shared.wire import (
     ResumeRequest,
     RouteReply,
     SamplingParams,
+    SubmitReply,
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
@@ -99,6 +100,17 @@ class WorkerLost(ApiError):
                          "the request", type="service_unavailable", code="worker_lost",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
         self.worker_id = worker_id
+
+
+def _refusal(ack: SubmitReply) -> str | None:
+    """None when the worker took the request, else why not. A request its backend cannot
+    serve (a bad_request refusal) raises the client's 400 naming the option at once: every
+    worker of a model runs the same backend, so routing elsewhere cannot help."""
+    if ack.accepted:
+        return None
+    if ack.error is not None and ack.error.code == "bad_request":
+        raise refusal_error(ack.error)
+    return ack.error.message if ack.error else "refused"
 
 
 def unavailable(what: str, exc: Exception) -> ApiError:
@@ -225,9 +237,7 @@ class MeshClient:
                                          SUBMIT_REPLY, self.timeouts.submit_s)
         except BusUnavailable as exc:
             return str(exc)
-        if not ack.accepted:
-            return ack.error.message if ack.error else "refused"
-        return None
+        return _refusal(ack)
 
     def _judging_since(self) -> float:
         """Monotonic time from which a worker's silence counts: our own blindness (NATS
@@ -294,7 +304,7 @@ class MeshClient:
             why = ack.error.message if ack.error else "no worker chosen"
             raise unavailable("workers", RuntimeError(why))
         if not ack.accepted:
-            return ack.worker_id, ack.error.message if ack.error else "refused"
+            return ack.worker_id, _refusal(ack)
         self.placed += 1
         return ack.worker_id, None
 

@@ -1,10 +1,14 @@
 """``POST /v1/score``: prefill-only scoring (PrefillOnly), e.g. P(Yes) vs P(No) after a prompt.
 
-A score request is one output token restricted to the candidates' token ids, with their
-log-probabilities reported: all the engine does is the prefill (plus one sampling step),
-which is what the ``srjf_calibrated`` local policy schedules best. The same thing is
-available through ``/v1/completions`` with ``max_tokens: 1``, ``allowed_token_ids`` and
-``logprobs``; this route adds candidate strings and a plain probability table.
+A score request is one output token restricted to the candidates' token ids, with every
+candidate's log-probability reported (``logprob_token_ids``): all the engine does is the
+prefill (plus one sampling step), which is what the ``srjf_calibrated`` local policy
+schedules best and what the hf engine runs on its prefill-only path (hybrid prefilling,
+suffix KV discarding: docs/design.md section 7). A candidate's probability is the model's
+probability of that token at the next position, over the whole vocabulary: ``exp`` of the
+log-probability an unrestricted ``/v1/completions`` call (``max_tokens: 1``, ``logprobs``)
+reports for it. The sim backend has no model: its pseudo-probabilities are normalised over
+the candidates, and the response says ``"simulated": true``.
 
 Each candidate must be one token (tokenized without special tokens); longer candidates are
 refused with 400 rather than scored by their first token, which would silently mislead.
@@ -92,7 +96,8 @@ async def score(mesh: MeshClient, cfg: EdgeConfig, req: ScoreRequest, rid: str,
     ids = await _candidate_ids(mesh, rid, req)
     unique = list(dict.fromkeys(ids))
     sampling = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=[],
-                              ignore_eos=True, logprobs=len(unique), allowed_token_ids=unique)
+                              ignore_eos=True, logprobs=len(unique), allowed_token_ids=unique,
+                              logprob_token_ids=unique)
     parsed = ParsedRequest(kind="completion", model=req.model, prompts=req.prompts,
                            sampling=sampling)
     prompts = await token_prompts(mesh, rid, parsed)
@@ -118,8 +123,10 @@ async def score(mesh: MeshClient, cfg: EdgeConfig, req: ScoreRequest, rid: str,
         scores = []
         for label, tid in zip(labels, ids, strict=True):
             lp = by_id.get(tid)
+            # None: the backend did not report it (vllm: outside its 20 most likely).
             scores.append({"candidate": label, "token_id": tid, "logprob": lp,
-                           "probability": math.exp(lp) if lp is not None else 0.0})
+                           "probability": math.exp(lp) if lp is not None else None})
         data.append({"index": r.index, "object": "score", "scores": scores})
     return {"id": rid, "object": "list", "created": int(time.time()), "model": req.model,
+            "simulated": any(r.simulated for r in results),
             "data": sorted(data, key=lambda d: d["index"]), "usage": usage.body()}

@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from prefixmesh.services.worker.engine.hf_prefill_only import DEFAULT_HYBRID_CHUNK_TOKENS
+from prefixmesh.services.worker.engine.kv_pool import DEFAULT_KV_BLOCKS
 from prefixmesh.services.worker.local import (
     DEFAULT_LOCAL_POLICY,
     LOCAL_POLICIES,
@@ -48,6 +50,14 @@ class WorkerConfig(CommonConfig):
         1.0, "sim: wall seconds per modelled second; K > 1 runs the simulated GPU K times "
         "slower than the modelled hardware (every step lasts K x its modelled time) while the "
         "engine's own times stay in model seconds (engine/pacing.py)")
+    kv_blocks: int = option(DEFAULT_KV_BLOCKS, "hf: prefix-cache pool in 16-token blocks "
+                            "(SmolLM2-135M: 737 KB each; 1024 = 16k tokens)")
+    hybrid_chunk_tokens: int = option(
+        DEFAULT_HYBRID_CHUNK_TOKENS, "hf: tokens per chunk of the norms, projections and MLP "
+        "when a one-token request (/v1/score, max_tokens 1) runs prefill-only, attention "
+        "seeing the whole prompt "
+        "(hybrid prefilling, docs/design.md section 7); 0 = such requests take the ordinary "
+        "chunked path")
     default_output_mean: float = option(
         128.0, "sim: mean output tokens of a request with no length hint and no ignore_eos")
     batch_kv_tokens: int = option(

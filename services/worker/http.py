@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
@@ -43,7 +43,6 @@ from aiohttp.typedefs import Handler
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.openai.choices import (
     Choice,
-    ChoiceEvent,
     check_context,
     fan_out,
     first_of_prompt,
@@ -68,6 +67,7 @@ from prefixmesh.shared.openai.schema import (
     decode_body,
     parse_chat,
     parse_completion,
+    refusal_error,
 )
 from prefixmesh.shared.wire import (
     ErrorInfo,
@@ -85,10 +85,6 @@ SHUTDOWN_TIMEOUT_S = 2.0
 # SGLang's default max_new_tokens for /generate.
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 # Refusal codes of WorkerService._submit -> (HTTP status, OpenAI error type).
-_REFUSALS = {"overloaded": (429, "rate_limit_error"), "bad_request": (400,
-             "invalid_request_error")}
-
-
 def _worker(request: web.Request) -> WorkerService:
     return request.app[WORKER]
 
@@ -137,10 +133,8 @@ async def _run(w: WorkerService, jobs: list[Choice], sampling: SamplingParams
                 request_id=j.request_id, token_ids=j.token_ids, sampling=sampling,
                 reply_to="", created=time.time()), sink)
             if not reply.accepted:
-                err = reply.error or ErrorInfo("refused", "unavailable", retriable=True)
-                status, kind = _REFUSALS.get(err.code, (503, "service_unavailable"))
-                raise ApiError(status, err.message, type=kind, code=err.code,
-                               headers={"Retry-After": "1"} if status != 400 else None)
+                raise refusal_error(reply.error or ErrorInfo("refused", "unavailable",
+                                                             retriable=True))
             submitted.append(j.request_id)
         pending = set(submitted)
         while pending:
@@ -170,10 +164,9 @@ async def _openai(request: web.Request, parsed: ParsedRequest) -> web.StreamResp
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     headers = {"x-request-id": rid}
     async with aclosing(_run(w, jobs, parsed.sampling)) as events:
-        if parsed.stream:
-            first = await anext(events)  # refusals surface as HTTP errors, before the stream
-            resp, _ = await stream_choices(request, meta, parsed, _chain(first, events),
-                                           len(prompts), headers, time.monotonic())
+        if parsed.stream:  # a refusal raises before the stream opens: an HTTP error
+            resp, _ = await stream_choices(request, meta, parsed, events, len(prompts),
+                                           headers, time.monotonic())
             return resp
         want_logprobs = parsed.sampling.logprobs is not None
         results = {j.index: ChoiceResult.start(j.index, len(j.token_ids), want_logprobs)
@@ -186,13 +179,6 @@ async def _openai(request: web.Request, parsed: ParsedRequest) -> web.StreamResp
         usage.add(r, r.index in counted)
     return web.json_response(full_response(meta, list(results.values()), usage),
                              headers=headers)
-
-
-async def _chain(first: tuple[int, ChoiceEvent], rest: AsyncIterator[tuple[int, ChoiceEvent]]
-                 ) -> AsyncIterator[tuple[int, ChoiceEvent]]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

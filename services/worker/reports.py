@@ -18,10 +18,11 @@ def load_report(worker_id: str, s: EngineStats, ts: float, backend: str = "sim",
 
 
 def done_record(worker_id: str, r: EngineRequest, finish_reason: str,
-                tenant: str = "") -> RequestDoneEvent:
-    """The completion record of a finished engine request."""
+                tenant: str = "", simulated: bool = False) -> RequestDoneEvent:
+    """The completion record of a finished engine request (``simulated``: by the sim
+    backend, no model)."""
     return RequestDoneEvent(
         request_id=r.request_id, worker_id=worker_id, prompt_tokens=r.num_prompt_tokens,
         cached_tokens=max(r.num_cached_tokens, 0), completion_tokens=r.num_output_tokens,
         queue_s=r.queue_s or 0.0, ttft_s=r.ttft_s or 0.0, latency_s=r.latency_s or 0.0,
-        finish_reason=finish_reason, tenant=tenant)
+        finish_reason=finish_reason, tenant=tenant, simulated=simulated)

@@ -225,10 +225,11 @@ class WorkerService:
                 if self.engine.block_size == BLOCK_SIZE else [],
             )
             self.engine.add(ereq, self.engine.now(), req.sampling)
-        except ValueError as exc:
+        except ValueError as exc:  # BadOption names the option at fault
             REFUSED.labels(self.worker_id, "bad_request").inc()
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id,
-                               accepted=False, error=ErrorInfo(str(exc), "bad_request"))
+                               accepted=False, error=ErrorInfo(
+                                   str(exc), "bad_request", param=getattr(exc, "param", "")))
         tok = self.engine.tokenizer
         detok = None if self.engine.detokenizes or tok is None else IncrementalDetokenizer(tok)
         self.live[req.request_id] = _Live(
@@ -326,7 +327,7 @@ class WorkerService:
         del self.live[out.request_id]
         # One message, two readers: the request's caller and the scheduler and metrics.
         done = done_record(self.worker_id, out.request, out.finish_reason or "length",
-                           live.tenant)
+                           live.tenant, self.model.simulated)
         await self._deliver(live, done)
         if self.bus is not None:
             await self.bus.publish(self.bus.subjects.done, done)

@@ -61,6 +61,13 @@ def check_context(prompts: list[list[int]], max_tokens: int, limit: int) -> None
                            param="max_tokens", code="context_length_exceeded")
 
 
+async def _prepend(first: tuple[int, ChoiceEvent], rest: AsyncIterator[tuple[int, ChoiceEvent]]
+                   ) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    yield first
+    async for item in rest:
+        yield item
+
+
 @dataclass(slots=True)
 class StreamOutcome:
     """What a finished stream reports to its caller's metrics."""
@@ -75,8 +82,15 @@ async def stream_choices(request: web.Request, meta: ResponseMeta, parsed: Parse
                          headers: dict[str, str], started: float
                          ) -> tuple[web.StreamResponse, StreamOutcome]:
     """Relay (choice index, event) pairs as OpenAI's server-sent chunks, ending with the
-    usage chunk (when asked for) and ``data: [DONE]``. A failed choice sends an error
-    object in the stream, as OpenAI does once the stream is open; the others go on."""
+    usage chunk (when asked for) and ``data: [DONE]``. The stream opens with the first
+    event: a request failed before that (a worker refused an option, no worker could take
+    it) raises its ApiError, an HTTP error like a non-streamed request's. A choice that
+    fails later sends an error object in the stream, as OpenAI does once the stream is
+    open; the others go on."""
+    first = await anext(events)
+    if isinstance(first[1], ApiError):
+        raise first[1]
+    events = _prepend(first, events)
     resp = await open_sse(request, headers)
     usage = Usage()
     counted = first_of_prompt(n_prompts, parsed.n)

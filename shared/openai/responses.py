@@ -22,6 +22,8 @@ class ChoiceResult:
     worker_id: str = ""
     # Per output token, when the request asked for logprobs (else None).
     logprobs: list[TokenLogprob] | None = None
+    # True when the sim backend produced it (no model: tokens and logprobs simulated).
+    simulated: bool = False
 
     @classmethod
     def start(cls, index: int, prompt_tokens: int, logprobs: bool) -> ChoiceResult:
@@ -42,6 +44,7 @@ class ChoiceResult:
         self.cached_tokens = event.cached_tokens
         self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
         self.worker_id = event.worker_id
+        self.simulated = event.simulated
         if event.error is not None:
             self.error = event.error.message
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from prefixmesh.shared.wire import ChatMessage, SamplingParams
+from prefixmesh.shared.wire import ChatMessage, ErrorInfo, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP_SEQUENCES = 4
@@ -40,6 +40,20 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+
+# A worker's refusal (ErrorInfo.code) as the client's (HTTP status, error type); any other
+# code is a 503 with Retry-After (the mesh could not take the request now).
+REFUSALS = {"overloaded": (429, "rate_limit_error"),
+            "bad_request": (400, "invalid_request_error")}
+
+
+def refusal_error(err: ErrorInfo) -> ApiError:
+    """The client's error for a worker's refusal: 400 naming the option the backend cannot
+    serve (never a 503: retrying cannot help), 429 when it is full, else 503."""
+    status, kind = REFUSALS.get(err.code, (503, "service_unavailable"))
+    return ApiError(status, err.message, type=kind, param=err.param or None, code=err.code,
+                    headers={"Retry-After": "1"} if status != 400 else None)
 
 
 class StreamOptions(msgspec.Struct):

@@ -260,6 +260,7 @@ def test_score_endpoint_returns_candidate_probabilities(mesh: LocalMesh) -> None
     status, out = _post(mesh, "/v1/score", body)
     assert status == 200, out
     assert out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1]
+    assert out["simulated"] is True  # sim workers: pseudo-probabilities, said so
     for d in out["data"]:
         assert [s["candidate"] for s in d["scores"]] == ["Yes", "No"]
         assert math.isclose(sum(s["probability"] for s in d["scores"]), 1.0, rel_tol=1e-6)

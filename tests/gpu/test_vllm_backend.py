@@ -1,4 +1,4 @@
-"""The vllm backend on a real GPU: submit, stream, abort, cached tokens, KV events.
+"""The vllm backend on a real GPU: submit, stream, abort, cached tokens, KV events, logprobs.
 
 Needs CUDA and the [gpu] extra; skipped elsewhere. The model is small and public
 (``PM_VLLM_TEST_MODEL``, default facebook/opt-125m, vLLM's own test model) and must be in the
@@ -42,9 +42,11 @@ class Sink:
     def __init__(self) -> None:
         self.outputs: list[tuple[StepOutput, str]] = []
         self.kv: list[KvEvent] = []
+        self.logprobs: dict[str, list] = {}
 
-    async def emit(self, out: StepOutput, text: str) -> None:
+    async def emit(self, out: StepOutput, text: str, logprobs=None) -> None:
         self.outputs.append((out, text))
+        self.logprobs.setdefault(out.request_id, []).extend(logprobs or [])
 
     async def publish(self, events: list[KvEvent]) -> None:
         self.kv.extend(events)
@@ -108,3 +110,17 @@ async def test_abort_stops_the_stream(engine) -> None:
     n = len(sink.of("long"))
     await asyncio.sleep(0.5)
     assert len(sink.of("long")) == n and not sink.done("long")
+
+
+async def test_allowed_tokens_and_logprobs(engine) -> None:
+    eng, sink = engine
+    allowed = [PROMPT[5], PROMPT[9]]
+    eng.add(EngineRequest(request_id="lp", prompt_token_ids=PROMPT, max_tokens=1),
+            asyncio.get_running_loop().time(),
+            SamplingParams(max_tokens=1, temperature=0.0, logprobs=3, allowed_token_ids=allowed,
+                           logprob_token_ids=allowed))
+    await eventually(lambda: sink.done("lp"), timeout=120)
+    (entry,) = sink.logprobs["lp"]
+    assert entry.token_id in allowed and entry.logprob <= 0.0
+    top = [t.logprob for t in entry.top[:3]]
+    assert len(top) == 3 and top == sorted(top, reverse=True)

@@ -43,8 +43,10 @@ class LoadWatch:
         if isinstance(event, LoadReportEvent):
             self.last[event.worker_id] = event
 
-    def busy(self) -> list[str]:
-        return [w for w, r in self.last.items() if r.running + r.waiting > 0]
+    def busy(self, since: float) -> list[str]:
+        """Workers whose reports from ``since`` (unix seconds) on show work: an older report
+        may still count the routability probe's request."""
+        return [w for w, r in self.last.items() if r.ts >= since and r.running + r.waiting > 0]
 
 
 @pytest.fixture
@@ -94,10 +96,12 @@ def _body(stream: bool, seed: int) -> dict:
             "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": stream}
 
 
-async def _kill_busy(workers: dict[str, ManagedProcess], watch: LoadWatch) -> str:
-    """SIGKILL the worker running the request once it has been running a moment."""
-    await eventually(lambda: len(watch.busy()) == 1, timeout=10)
-    victim = watch.busy()[0]
+async def _kill_busy(workers: dict[str, ManagedProcess], watch: LoadWatch, sent: float
+                     ) -> str:
+    """SIGKILL the worker running the request sent at ``sent`` (unix seconds) once it has
+    been running a moment."""
+    await eventually(lambda: len(watch.busy(sent)) == 1, timeout=10)
+    victim = watch.busy(sent)[0]
     await asyncio.sleep(0.5)  # let it stream some tokens first
     workers[victim].signal(signal.SIGKILL)
     return victim
@@ -105,9 +109,10 @@ async def _kill_busy(workers: dict[str, ManagedProcess], watch: LoadWatch) -> st
 
 async def test_non_streamed_request_completes_on_another_worker(mesh) -> None:
     edge, session, workers, watch = mesh
+    sent = time.time()
     post = asyncio.ensure_future(session.post(edge.url + "/v1/completions",
                                               json=_body(False, 0)))
-    victim = await _kill_busy(workers, watch)
+    victim = await _kill_busy(workers, watch, sent)
     async with await post as r:
         body = await r.json()
     assert r.status == 200, body
@@ -121,9 +126,10 @@ async def test_non_streamed_request_completes_on_another_worker(mesh) -> None:
 async def test_stream_with_tokens_sent_ends_with_error_event(mesh) -> None:
     edge, session, workers, watch = mesh
     events: list[str] = []
+    sent = time.time()
     async with session.post(edge.url + "/v1/completions", json=_body(True, 1)) as r:
         assert r.status == 200
-        killer = asyncio.ensure_future(_kill_busy(workers, watch))
+        killer = asyncio.ensure_future(_kill_busy(workers, watch, sent))
         async for line in r.content:
             if line.startswith(b"data: "):
                 events.append(line[6:].decode().strip())

@@ -3,8 +3,8 @@
 - The KV bridge against real ZMQ sockets: a PUB and a replay ROUTER that behave like vLLM's
   ZmqEventPublisher (multipart [topic, seq, payload]; replay [b"", seq, payload] frames then
   seq -1 with an empty payload), with batches encoded in vLLM's positional shape.
-- VllmEngine's admission, streaming and abort against a stand-in for AsyncLLM.generate (the
-  real one is exercised in tests/gpu).
+- VllmEngine's admission, streaming, abort, sampling options and log-probabilities against
+  a stand-in for AsyncLLM.generate (the real one is exercised in tests/gpu).
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ class FakeAsyncLLM:
         self.most_unstarted = 0
         self.aborted: list[str] = []
         self.fail: set[str] = set()
+        self.params: dict[str, object] = {}  # the SamplingParams each request reached vLLM with
 
     async def generate(self, prompt, sp, request_id):
         self.order.append(request_id)
@@ -187,10 +188,13 @@ class FakeAsyncLLM:
             if request_id in self.fail:
                 raise RuntimeError("engine fault")
             self.unstarted.discard(request_id)
+            self.params[request_id] = sp
             for i in range(sp.max_tokens):
                 last = i + 1 == sp.max_tokens
-                comp = types.SimpleNamespace(token_ids=[7 + i], text=f" t{i}",
-                                             finish_reason="length" if last else None)
+                token = sp.allowed_token_ids[0] if sp.allowed_token_ids else 7 + i
+                comp = types.SimpleNamespace(token_ids=[token], text=f" t{i}",
+                                             finish_reason="length" if last else None,
+                                             logprobs=_vllm_logprobs(token, sp.logprobs))
                 yield types.SimpleNamespace(outputs=[comp], finished=last,
                                             num_cached_tokens=16)
                 await asyncio.sleep(0.01)
@@ -199,6 +203,17 @@ class FakeAsyncLLM:
             raise
         finally:
             self.unstarted.discard(request_id)
+
+
+def _vllm_logprobs(token: int, k: int | None) -> list[dict] | None:
+    """What vLLM returns for one token with ``logprobs=k``: the sampled token (here ranked
+    second) and the k most likely, as token id -> Logprob(logprob, rank, decoded_token)."""
+    if k is None:
+        return None
+    ranked = [(500 + r, -0.1 * r) for r in range(1, k + 1)]  # ranks 1..k: 501, 502, ...
+    ranked.insert(1, (token, -0.15))
+    return [{t: types.SimpleNamespace(logprob=lp, rank=r, decoded_token=f"<{t}>")
+             for r, (t, lp) in enumerate(ranked, start=1)}]
 
 
 @pytest.fixture
@@ -214,16 +229,25 @@ def fake_vllm_modules(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
 
 
+class Emitted(list):
+    """(StepOutput, text) pairs the engine emitted, and the log-probabilities by request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logprobs: dict[str, list] = {}
+
+
 @pytest.fixture
 async def fake_engine(fake_vllm_modules, tmp_path):
     eng = VllmEngine(VllmEngineConfig(model="fake", engine_waiting_max=2),
                      make_local_policy("fcfs"))
     eng._llm = llm = FakeAsyncLLM()  # what start() would build
     eng._bridge_cfg = KvBridgeConfig(f"ipc://{tmp_path}/events")
-    outputs: list[tuple[StepOutput, str]] = []
+    outputs = Emitted()
 
-    async def emit(out: StepOutput, text: str) -> None:
+    async def emit(out: StepOutput, text: str, logprobs=None) -> None:
         outputs.append((out, text))
+        outputs.logprobs.setdefault(out.request_id, []).extend(logprobs or [])
 
     async def publish(events: list[KvEvent]) -> None:
         pass
@@ -285,3 +309,27 @@ async def test_engine_failure_ends_the_request_with_an_error(fake_engine) -> Non
                      timeout=5)
     assert _finished(outputs, "bad").finish_reason == "error"
     assert _finished(outputs, "good").finish_reason == "length"
+
+
+async def test_engine_passes_allowed_tokens_and_returns_logprobs(fake_engine) -> None:
+    eng, llm, outputs = fake_engine
+    eng.add(EngineRequest(request_id="plain", prompt_token_ids=TOKENS, max_tokens=2), 0.0,
+            SamplingParams(max_tokens=2, logprobs=2))
+    eng.add(EngineRequest(request_id="score", prompt_token_ids=TOKENS, max_tokens=1), 0.0,
+            SamplingParams(max_tokens=1, temperature=0.0, logprobs=1,
+                           allowed_token_ids=[9, 503], logprob_token_ids=[9, 503, 777]))
+    await eventually(lambda: _finished(outputs, "plain") and _finished(outputs, "score"),
+                     timeout=5)
+    logprobs = outputs.logprobs
+    plain, score = llm.params["plain"], llm.params["score"]
+    assert plain.logprobs == 2 and plain.allowed_token_ids is None
+    # Wanting particular tokens' log-probabilities asks vLLM for all it reports.
+    assert score.allowed_token_ids == [9, 503] and score.logprobs == eng.cfg.max_logprobs
+    first = logprobs["plain"][0]
+    assert (first.token_id, first.token, first.logprob) == (7, "<7>", -0.15)
+    assert [(t.token_id, t.logprob) for t in first.top] == [(501, -0.1), (7, -0.15)]
+    assert len(logprobs["plain"]) == 2
+    (entry,) = logprobs["score"]
+    assert entry.token_id == 9  # vLLM chose among the allowed tokens
+    # The 1 most likely, then the wanted tokens vLLM reported (777 is not among them).
+    assert [t.token_id for t in entry.top] == [501, 9, 503]

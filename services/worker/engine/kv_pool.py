@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# Blocks in the hf engine's pool by default: 16k tokens, 755 MB for SmolLM2-135M (737 KB a
+# block), resident only as blocks are written.
+DEFAULT_KV_BLOCKS = 1024
+
 
 class KvPool:
     """KV tensors of cached 16-token blocks, indexed by BlockCache block id.
@@ -49,3 +53,20 @@ class KvPool:
             n_layers, n, heads, bs, dim = t.shape
             out.append(t.permute(0, 2, 1, 3, 4).reshape(n_layers, 1, heads, n * bs, dim))
         return [(out[0][i], out[1][i]) for i in range(out[0].shape[0])]
+
+    def gather_layer(self, layer: int, block_ids: list[int], out_k: Any, out_v: Any) -> None:
+        """Copy one layer's KV of ``block_ids`` into ``out_k`` / ``out_v`` (``[heads,
+        len(block_ids) * block_size, dim]`` views), without building the other layers'."""
+        import torch
+
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        for pool, out in ((self.k, out_k), (self.v, out_v)):
+            blocks = pool[layer].index_select(0, idx)  # [n, H, bs, D]
+            out.copy_(blocks.permute(1, 0, 2, 3).reshape(out.shape))
+
+    def write_layer(self, layer: int, block_id: int, k: Any, v: Any, start: int) -> None:
+        """Copy tokens ``[start, start + block_size)`` of one layer's ``[heads, seq, dim]``
+        keys and values into ``block_id``."""
+        end = start + self.block_size
+        self.k[layer, block_id].copy_(k[:, start:end])
+        self.v[layer, block_id].copy_(v[:, start:end])

@@ -25,6 +25,15 @@ FINISH_ABORT = "abort"  # aborted by the caller
 FINISH_ERROR = "error"  # the engine failed on it (a real backend's exception)
 
 
+class BadOption(ValueError):
+    """A request option the engine cannot serve, or a value of it it cannot take: the
+    worker refuses the request as a bad request naming ``param`` (the client gets a 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in the engine."""
 

@@ -7,6 +7,12 @@ Prefix caching is on and vLLM's KV events are published on a private ipc:// endp
 ``KvBridge`` reads and translates to prefixmesh block hashes; the translator's view of the
 cache also answers the local policy's ``cached_prefix_tokens`` probes.
 
+Sampling options go to vLLM as they are (``allowed_token_ids`` included), and the
+log-probabilities vLLM returns per token (its dict of token id -> ``Logprob``, the sampled
+token among them) come back as ``TokenLogprob`` entries (``_logprob_entries``). vLLM reports
+at most ``max_logprobs`` tokens a position: a ``logprob_token_ids`` token (``/v1/score``'s
+candidates) outside them is missing from the entry.
+
 One streaming task per admitted request iterates ``AsyncLLM.generate`` (delta outputs);
 abort cancels that task, which makes vLLM abort the request (its documented disconnect path,
 stable across versions). Capacity figures come from a stat logger vLLM calls after every
@@ -47,7 +53,7 @@ from prefixmesh.services.worker.kv_bridge import DEFAULT_TOPIC, KvBridge, KvBrid
 from prefixmesh.services.worker.local.base import LocalPolicy
 from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.wire import KvEvent, SamplingParams
+from prefixmesh.shared.wire import KvEvent, SamplingParams, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +95,9 @@ class VllmEngineConfig:
     # vLLM's KV block size; 16 matches prefixmesh blocks (any size works, see vllm_events).
     block_size: int = BLOCK_SIZE
     enforce_eager: bool = False
+    # Log-probabilities vLLM computes per position at most (vLLM's own default, 20: the
+    # edge's ``logprobs`` limit); a request asking for any candidate's asks for this many.
+    max_logprobs: int = 20
     # KV-event endpoints; "" = ipc:// sockets in a private temp dir.
     kv_endpoint: str = ""
     kv_replay_endpoint: str = ""
@@ -138,6 +147,24 @@ def _stat_logger_factory(sink: _StepStats) -> Callable[..., Any]:
             pass
 
     return PrefixmeshStatLogger
+
+
+def _logprob_entries(tokens: list[int], positions: Sequence[Any], s: SamplingParams
+                     ) -> list[TokenLogprob]:
+    """Our entries from vLLM's per-position dicts (token id -> ``Logprob``: ``logprob``,
+    ``rank`` from 1, ``decoded_token``), which hold the sampled token and the most likely
+    ones: ``top`` is the ``s.logprobs`` most likely, then ``s.logprob_token_ids`` found."""
+    out = []
+    for token, lps in zip(tokens, positions, strict=True):
+        by_rank = sorted(lps.items(), key=lambda kv: -kv[1].logprob)
+        top = [(t, lp) for t, lp in by_rank[:s.logprobs or 0]]
+        listed = {t for t, _ in top}
+        top += [(t, lps[t]) for t in s.logprob_token_ids if t in lps and t not in listed]
+        own = lps[token]  # vLLM always reports the sampled token
+        out.append(TokenLogprob(token, own.decoded_token or "", own.logprob,
+                                [TopLogprob(t, lp.decoded_token or "", lp.logprob)
+                                 for t, lp in top]))
+    return out
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -190,6 +217,7 @@ class VllmEngine(QueuedEngine):
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, disable_log_stats=False,
+            max_logprobs=cfg.max_logprobs,
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
                 replay_endpoint=replay or None, topic=cfg.kv_topic))
@@ -219,12 +247,20 @@ class VllmEngine(QueuedEngine):
             sp = VllmSamplingParams(
                 n=1, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop) or None,
-                ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs,
+                ignore_eos=sampling.ignore_eos, logprobs=self._vllm_logprobs(sampling),
+                allowed_token_ids=list(sampling.allowed_token_ids) or None,
                 output_kind=RequestOutputKind.DELTA)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"request {req.request_id!r}: {exc}") from exc
         self.translator.note_request(req.tenant, req.prompt_token_ids)
-        self._queue(req, now, sp)
+        self._queue(req, now, (sp, sampling))
+
+    def _vllm_logprobs(self, s: SamplingParams) -> int | None:
+        """vLLM's ``logprobs`` for a request: its own ``logprobs``, or all vLLM reports when
+        it wants particular tokens' (vLLM cannot report a token by id)."""
+        if s.logprob_token_ids:
+            return self.cfg.max_logprobs
+        return None if s.logprobs is None else min(s.logprobs, self.cfg.max_logprobs)
 
     def _abort_running(self, req: EngineRequest) -> None:
         if (task := self._tasks.get(req.request_id)) is not None:
@@ -298,9 +334,9 @@ class VllmEngine(QueuedEngine):
         for req in self.policy.select(now, room, self.cfg.max_num_batched_tokens, self):
             req.status, req.first_scheduled = RequestStatus.RUNNING, now
             self._unstarted += 1
-            sp = self._sampling.pop(req.request_id)
+            sp, sampling = self._sampling.pop(req.request_id)
             self._tasks[req.request_id] = tg.create_task(
-                self._stream(req, sp, emit), name=f"vllm-{req.request_id}")
+                self._stream(req, sp, sampling, emit), name=f"vllm-{req.request_id}")
 
     def _prompt(self, req: EngineRequest) -> dict[str, Any]:
         from vllm.inputs import TokensPrompt
@@ -310,7 +346,8 @@ class VllmEngine(QueuedEngine):
             prompt["cache_salt"] = req.tenant
         return prompt
 
-    async def _stream(self, req: EngineRequest, sp: Any, emit: Emit) -> None:
+    async def _stream(self, req: EngineRequest, sp: Any, sampling: SamplingParams,
+                      emit: Emit) -> None:
         """Run one request in vLLM, emitting each delta; never raises but CancelledError."""
         rid, started = req.request_id, False
         try:
@@ -327,9 +364,11 @@ class VllmEngine(QueuedEngine):
                 if out.finished:
                     reason = _finish_reason(comp.finish_reason if comp is not None else None)
                     self._finish(req, reason, now)
+                logprobs = (_logprob_entries(new, comp.logprobs, sampling)
+                            if comp is not None and comp.logprobs and new else None)
                 await emit(StepOutput(rid, new, out.finished, reason,
                                       max(req.num_cached_tokens, 0), first, req),
-                           comp.text if comp is not None else "")
+                           comp.text if comp is not None else "", logprobs)
                 if out.finished:
                     return
             raise RuntimeError("vLLM ended the stream without a finished output")

@@ -1,0 +1,47 @@
+"""When ``prefixmesh up`` says the mesh is up (services/up.py ``awaited``): the edge answers,
+every worker it started reports (a worker reports only once its engine runs), and the
+scheduler routes to all of them; and what it says while it waits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefixmesh.services.up import awaited, last_log_line
+
+
+def cluster(workers: dict[str, bool], scheduler_knows: int | None) -> dict:
+    """A /cluster view: worker id -> stale; the scheduler's worker count (None: no stats)."""
+    sched = None if scheduler_knows is None else {"workers": scheduler_knows, "stale": False}
+    return {"workers": [{"worker_id": w, "stale": stale} for w, stale in workers.items()],
+            "scheduler": sched}
+
+
+def test_ready_only_when_every_worker_reports_and_the_scheduler_knows_them() -> None:
+    own = ["w0", "w1"]
+    assert awaited(True, cluster({"w0": False, "w1": False}, 2), own, 2) == []
+    # A worker still loading its model has not reported.
+    waiting = awaited(True, cluster({"w0": False}, 1), own, 2)
+    assert waiting == ["worker w1 to report (its engine is loading)"]
+    # Another mesh's worker on the same bus does not stand in for ours.
+    assert awaited(True, cluster({"w0": False, "other": False}, 2), own, 2) == waiting
+    # A stale report (the worker stopped) is not a live one.
+    assert awaited(True, cluster({"w0": False, "w1": True}, 2), own, 2) == waiting
+    # Reported, but the scheduler cannot route to it yet.
+    assert awaited(True, cluster({"w0": False, "w1": False}, 1), own, 2) == [
+        "the scheduler to know the workers (1/2)"]
+    assert awaited(True, cluster({"w0": False, "w1": False}, None), own, 2) == ["the scheduler"]
+    # Workers started elsewhere (external) are counted, not named.
+    assert awaited(True, cluster({"w0": False, "w1": False}, 2), own, 3) == [
+        "1 more workers to report"]
+    assert awaited(False, None, own, 2) == ["the edge", "the metrics service"]
+
+
+def test_last_log_line_drops_the_log_prefix_and_splits_progress_bars(tmp_path: Path) -> None:
+    log = tmp_path / "worker-0.log"
+    assert last_log_line(log) == ""
+    log.write_text("2026-01-01 10:00:00,000 INFO worker prefixmesh.shared.smollm2 [-] "
+                   "converting the model\nConverting...:  10%|#  | 27/272\rConverting...:  "
+                   "55%|#####  | 150/272\r\n")
+    assert last_log_line(log) == "Converting...:  55%|#####  | 150/272"
+    log.write_text("2026-01-01 10:00:00,000 INFO worker x [-] worker w0 ready\n")
+    assert last_log_line(log) == "worker w0 ready"
