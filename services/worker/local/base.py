@@ -33,7 +33,7 @@ Policies that only probe the cache declare the narrower ``CacheProbe``.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import Protocol, runtime_checkable
 
@@ -84,6 +84,30 @@ def tokens_to_prefill(req: EngineRequest, cached_tokens: int, block_size: int) -
 def prefill_estimate(req: EngineRequest, cache: CacheProbe) -> int:
     """Tokens the engine would compute to admit ``req`` now."""
     return tokens_to_prefill(req, cache.cached_prefix_tokens(req.block_hashes), cache.block_size)
+
+
+def take_in_order(pop: Callable[[], EngineRequest | None], max_requests: int,
+                  token_budget: int, cache: CacheProbe) -> list[EngineRequest]:
+    """Requests from ``pop`` in its order until it runs dry, ``max_requests`` are taken or
+    their prefill estimates use up ``token_budget`` (``select``'s contract)."""
+    out: list[EngineRequest] = []
+    budget = token_budget
+    while len(out) < max_requests and budget > 0:
+        req = pop()
+        if req is None:
+            break
+        out.append(req)
+        budget -= prefill_estimate(req, cache)
+    return out
+
+
+def pop_by_id(lane: deque[EngineRequest], request_id: str) -> EngineRequest | None:
+    """Take the request ``request_id`` out of ``lane`` (a front lane); None if absent."""
+    for i, r in enumerate(lane):
+        if r.request_id == request_id:
+            del lane[i]
+            return r
+    return None
 
 
 @runtime_checkable
@@ -171,13 +195,7 @@ class WaitingQueue:
     def remove(self, request_id: str) -> EngineRequest | None:
         """Take a request out of either lane."""
         req = self.queue.pop(request_id, None)
-        if req is not None:
-            return req
-        for i, r in enumerate(self.front):
-            if r.request_id == request_id:
-                del self.front[i]
-                return r
-        return None
+        return req if req is not None else pop_by_id(self.front, request_id)
 
     def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
         """Prepend to the front lane keeping ``reqs``' order."""

@@ -8,7 +8,7 @@ from prefixmesh.services.worker.engine.types import EngineRequest
 from prefixmesh.services.worker.local.base import (
     CacheProbe,
     QueuedPolicy,
-    prefill_estimate,
+    take_in_order,
 )
 
 
@@ -30,12 +30,4 @@ class FcfsPolicy(QueuedPolicy):
         self, now: float, max_requests: int, token_budget: int, cache: CacheProbe
     ) -> list[EngineRequest]:
         """Oldest first until ``max_requests`` or the token budget is reached."""
-        out: list[EngineRequest] = []
-        budget = token_budget
-        while len(out) < max_requests and budget > 0:
-            req = self._q.pop_oldest()
-            if req is None:
-                break
-            out.append(req)
-            budget -= prefill_estimate(req, cache)
-        return out
+        return take_in_order(self._q.pop_oldest, max_requests, token_budget, cache)

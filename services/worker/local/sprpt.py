@@ -42,16 +42,11 @@ from prefixmesh.services.worker.engine.types import EngineRequest
 from prefixmesh.services.worker.local.base import (
     EngineView,
     LocalPolicy,
+    pop_by_id,
     prefill_estimate,
+    take_in_order,
 )
 
-# TRAIL's c: the preemptable window is the first floor(c * r) output tokens.
-DEFAULT_PREEMPT_FRACTION = 0.8
-# Output tokens assumed for a request that carries no prediction at all (tokens); the
-# worker's own default mean output (WorkerConfig.default_output_mean) is 128 too.
-DEFAULT_PREDICTION = 128.0
-# Running requests preempted per step at most; bounds the recompute one step can cause.
-DEFAULT_MAX_PREEMPT_PER_STEP = 16
 # Heap entries kept before a rebuild: live ones times this factor, plus a floor (entries).
 _COMPACT_FACTOR = 2
 _COMPACT_FLOOR = 64
@@ -61,12 +56,15 @@ _COMPACT_FLOOR = 64
 class SprptConfig:
     """Knobs of ``sprpt_limited``."""
 
-    # c: fraction of the initial prediction during which a running request is preemptable.
-    preempt_fraction: float = DEFAULT_PREEMPT_FRACTION
-    # Predicted output tokens of a request without predicted_output or refinement.
-    default_prediction: float = DEFAULT_PREDICTION
-    # Most running requests one ``preempt`` call names (requests).
-    max_preempt_per_step: int = DEFAULT_MAX_PREEMPT_PER_STEP
+    # TRAIL's c: a running request is preemptable during its first floor(c * r) output
+    # tokens, r its initial prediction.
+    preempt_fraction: float = 0.8
+    # Output tokens assumed for a request without predicted_output or refinement (tokens);
+    # the worker's own default mean output (WorkerConfig.default_output_mean) is 128 too.
+    default_prediction: float = 128.0
+    # Running requests one ``preempt`` call names at most: bounds the recompute one step
+    # can cause.
+    max_preempt_per_step: int = 16
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.preempt_fraction <= 1.0:
@@ -132,11 +130,7 @@ class SprptPolicy(LocalPolicy):
         if entry is not None:
             self._maybe_compact()
             return entry[1]
-        for i, r in enumerate(self._front):
-            if r.request_id == request_id:
-                del self._front[i]
-                return r
-        return None
+        return pop_by_id(self._front, request_id)
 
     def requeue_front(self, reqs: Sequence[EngineRequest]) -> None:
         """Put requests back ahead of everyone, in order."""
@@ -165,15 +159,10 @@ class SprptPolicy(LocalPolicy):
         self, now: float, max_requests: int, token_budget: int, cache: EngineView
     ) -> list[EngineRequest]:
         """Requeued requests first, then shortest predicted remaining output first."""
-        out: list[EngineRequest] = []
-        budget = token_budget
-        while len(out) < max_requests and budget > 0:
-            req = self._front.popleft() if self._front else self._pop()
-            if req is None:
-                break
-            out.append(req)
-            budget -= prefill_estimate(req, cache)
-        return out
+        def pop() -> EngineRequest | None:
+            return self._front.popleft() if self._front else self._pop()
+
+        return take_in_order(pop, max_requests, token_budget, cache)
 
     def preempt(
         self, now: float, running: Sequence[EngineRequest], cache: EngineView
