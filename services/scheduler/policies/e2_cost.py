@@ -14,6 +14,9 @@
 - Interference (default 0.5): weight x P x the worker's running sequences (latest
   load report). Under chunked prefill, R's prefill lengthens every step of the requests
   already decoding there, each by about P in total.
+- Per-worker GPU: every term is in seconds of the worker's own GPU, priced with its own
+  profile (``WorkerState.tables``, from its load reports), so in a fleet that mixes GPU
+  types a fast GPU's ``L`` and ``P`` are smaller for the same work.
 - Decode pressure (added to ``L``; not in Preble's formula): R's expected output tokens
   x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
   prices decode as the marginal cost of one more sequence in a batch, which makes a worker
@@ -55,12 +58,12 @@ class LoadCost:
     def terms(self, ws: WorkerState, cached_blocks: int, prompt: int) -> tuple[float, float, float]:
         """``(L, M, P)`` of the request on ``ws`` given the blocks of it ``ws`` caches."""
         missing = prompt - cached_blocks * self.block
-        return ws.L, self.evict_cost(ws, missing), self.tables.pt(missing)
+        return ws.L, self.evict_cost(ws, missing), (ws.tables or self.tables).pt(missing)
 
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
         missing = prompt - cached_blocks * self.block
-        p = self.tables.pt(missing)
+        p = (ws.tables or self.tables).pt(missing)
         if self.interference:
             p += self.interference * p * ws.running
         c = ws.L + ws.step_s * self.out + p + self.evict_cost(ws, missing)
@@ -77,7 +80,7 @@ class LoadCost:
         path = self.path
         if path is None:  # R's own path: computed once per decision, only when needed
             path = self.path = set(self.tree.path(self.node))
-        pt = self.tables.pt
+        pt = (ws.tables or self.tables).pt
         block = self.block
         freed = 0
         m = 0.0
@@ -102,17 +105,19 @@ class LoadCost:
         Branch and bound: ``L + P`` is a lower bound (M >= 0), so M, the one term that walks
         an LRU list, is computed only for workers whose bound beats the best cost so far.
         """
-        pt = self.tables.pt
+        default = self.tables
         block = self.block
-        p_of: dict[int, float] = {}  # P by cached blocks: most workers share a few values
+        # P by (cost tables, cached blocks): most workers share a few values.
+        p_of: dict[tuple[CostTables, int], float] = {}
         bounds = []
         out = self.out
         bw, now = self.backlog_weight, self.now
         iw = self.interference
         for ws, got in zip(workers, cached):
-            p = p_of.get(got)
+            tables = ws.tables or default
+            p = p_of.get((tables, got))
             if p is None:
-                p = p_of[got] = pt(prompt - got * block)
+                p = p_of[tables, got] = tables.pt(prompt - got * block)
             if iw:
                 p += iw * p * ws.running
             if bw and ws.busy_until > now:

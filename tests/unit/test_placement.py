@@ -1,0 +1,98 @@
+"""Placement in uneven fleets and under cache pressure: per-worker cost profiles (E2 prices
+each GPU by its own profile), mixed fleets in the simulator, the multi-turn workload and
+the cache-pressure sizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixmesh.loadgen.cluster_sim import (
+    ClusterConfig,
+    ClusterSim,
+    pressure_blocks,
+    working_set_blocks,
+)
+from prefixmesh.loadgen.workloads import WorkloadRequest, build_workload
+from prefixmesh.shared.costmodel import CostModel, parse_gpu_profiles, profile_counts
+from prefixmesh.shared.wire import LoadReportEvent
+from tests.helpers import e2_policy, route_input, toks
+
+
+def test_gpu_profiles_parse_to_one_profile_per_worker():
+    got = parse_gpu_profiles("mistral-7b-a100:2, mistral-7b-a6000")
+    assert got == ("mistral-7b-a100", "mistral-7b-a100", "mistral-7b-a6000")
+    assert profile_counts(got) == "mistral-7b-a100:2,mistral-7b-a6000:1"
+    for bad in ("nosuch-gpu:2", "mistral-7b-a100:0", "mistral-7b-a100:x", ""):
+        with pytest.raises(ValueError):
+            parse_gpu_profiles(bad)
+
+
+def test_h100_profile_is_faster_than_a100_and_a6000():
+    a6000, a100, h100 = (CostModel.load(f"mistral-7b-{g}") for g in ("a6000", "a100", "h100"))
+    for n in (1, 512, 2048, 8192):
+        assert h100.prefill_time(n) < a100.prefill_time(n) < a6000.prefill_time(n)
+    assert h100.decode_time(1000) < a100.decode_time(1000)
+
+
+def _report(worker: str, profile: str) -> LoadReportEvent:
+    return LoadReportEvent(worker_id=worker, ts=0.0, profile=profile)
+
+
+def test_e2_prices_each_worker_by_the_profile_it_reports():
+    p = e2_policy(2)  # default profile: the A6000
+    p.on_load(_report("w1", "mistral-7b-h100"), 0.0)
+    terms = p.explain(route_input("r", toks(1, 200)), 0.0)
+    assert terms["w1"][2] < terms["w0"][2] / 3  # P: the same prefill, a third of the time
+    # Cold prompts of equal size: the fast GPU takes more of them before costs level.
+    got = [p.route(route_input(f"r{i}", toks(10 + i, 200)), 0.0).worker_id for i in range(8)]
+    assert got.count("w1") > got.count("w0")
+    # Back to no profile: the default tables again.
+    p.on_load(_report("w1", ""), 0.0)
+    assert p.worker_state("w1").tables is None
+
+
+def test_e2_keeps_its_own_profile_for_an_unknown_one():
+    p = e2_policy(1)
+    p.on_load(_report("w0", "no-such-gpu"), 0.0)
+    assert p.worker_state("w0").tables is None
+
+
+def test_simulator_runs_a_mixed_fleet_on_each_workers_profile():
+    profiles = parse_gpu_profiles("mistral-7b-h100:1,mistral-7b-a6000:2")
+    sim = ClusterSim(ClusterConfig(gpus=1, gpu_profiles=profiles))
+    assert sim.cfg.gpus == 3
+    assert [e.cost_model.name for e in sim.engines.values()] == list(profiles)
+    reqs = [WorkloadRequest(prompt=toks(i, 64), max_tokens=4, prefix_id=f"p{i}", output_len=4)
+            for i in range(12)]
+    run = sim.run(reqs, [0.0] * len(reqs))
+    assert all(r.ok for r in run.results)
+    assert run.worker_requests["gpu0"] > run.worker_requests["gpu1"]
+
+
+def test_multiturn_turns_extend_the_conversation_so_far():
+    reqs = build_workload("multiturn", 200, seed=1)
+    assert len(reqs) == 200
+    last: dict[str, list[int]] = {}
+    turns = 0
+    for r in reqs:
+        assert isinstance(r.prompt, list)
+        prev = last.get(r.session)
+        if prev is not None:
+            turns += 1
+            # Turn k's prompt starts with turn k-1's whole prompt (then its reply, ...).
+            assert r.prompt[: len(prev)] == prev and len(r.prompt) > len(prev)
+            assert r.shared_tokens > len(prev)
+        last[r.session] = r.prompt
+    assert turns > 100  # most requests are a later turn of a conversation
+    assert build_workload("multiturn", 50, seed=1) == build_workload("multiturn", 50, seed=1)
+
+
+def test_cache_pressure_sizes_the_fleet_cache_to_a_fraction_of_the_working_set():
+    doc = toks(7, 64)
+    reqs = [WorkloadRequest(prompt=doc + toks(100 + i, 4), max_tokens=4, prefix_id="d",
+                            output_len=4) for i in range(50)]
+    blocks = working_set_blocks(reqs)
+    assert blocks == 64 + 50 * 4
+    assert pressure_blocks(reqs, 1, 2.0) == blocks // 2
+    # Never below what the largest request needs: 68 prompt blocks + its output, + 1.
+    assert pressure_blocks(reqs, 100, 4.0) == 68 + 1 + 1
