@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prefixmesh.loadgen.ideal import IDEAL, IdealPolicy
 from prefixmesh.loadgen.results import RequestResult
 from prefixmesh.loadgen.trail_preds import (
     PREDICTION_MODES,
@@ -133,7 +134,6 @@ class ClusterSim:
             raise ValueError("gpus must be at least 1")
         self.cfg = cfg
         self.cost = CostModel.load(cfg.profile)
-        self.policy: SimPolicy = make_policy(cfg.policy, cfg.policy_config, self.cost)
         self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
         # Each worker's profile name, as its load reports state it.
         self.profiles = dict(zip(self.workers, cfg.gpu_profiles or [cfg.profile] * cfg.gpus))
@@ -142,6 +142,10 @@ class ClusterSim:
                          make_local_policy(cfg.local_policy, cfg.local_config),
                          cfg.engine_config)
             for w in self.workers}
+        # The ``ideal`` reference (loadgen/ideal.py) also fills the chosen GPU's cache.
+        self.ideal = IdealPolicy(self.engines) if cfg.policy == IDEAL else None
+        self.policy: SimPolicy = self.ideal or make_policy(cfg.policy, cfg.policy_config,
+                                                           self.cost)
         self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
         self.refiner = Refiner() if cfg.predictions == "refined" else None
         # (time, kind, push order, payload: request index, worker or None for a tick)
@@ -221,6 +225,8 @@ class ClusterSim:
                     results[i].error = str(exc)
                     pending -= 1
                     continue
+                if self.ideal is not None:
+                    self.ideal.seed(d.worker_id, prompt, hashes)
                 decisions[d.kind] = decisions.get(d.kind, 0) + 1
                 per_worker[d.worker_id] += 1
                 self.engines[d.worker_id].add(EngineRequest(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, pressure_blocks
+from prefixmesh.loadgen.ideal import annotate_ideal
 from prefixmesh.loadgen.options import (
     WorkloadSpec,
     add_workload_args,
@@ -138,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(p)
     p.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
     p.add_argument("--policies", default="round_robin,e2",
-                   help=f"global policies: {', '.join(POLICY_NAMES)}; a policy may take "
+                   help=f"global policies: {', '.join(POLICY_NAMES)}, and ideal (the "
+                   "reference no router reaches: loadgen/ideal.py); a policy may take "
                    "PolicyConfig knobs, e.g. e2:th_bal=inf,replicate_max_workers=1")
     p.add_argument("--local-policies", default="prefix_fair",
                    help=f"local policies: {', '.join(LOCAL_POLICIES)}; a policy may take its "
@@ -209,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  policies, locals_, args.profile, args.duration,
                  predictions=modes, trail=trail, engine=engine, gpu_profiles=fleet,
                  cache_pressure=args.cache_pressure)
+    annotate_ideal(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"runs": rows}, indent=1))
     print(f"wrote {len(rows)} runs to {args.json}")

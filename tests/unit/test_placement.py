@@ -96,3 +96,30 @@ def test_cache_pressure_sizes_the_fleet_cache_to_a_fraction_of_the_working_set()
     assert pressure_blocks(reqs, 1, 2.0) == blocks // 2
     # Never below what the largest request needs: 68 prompt blocks + its output, + 1.
     assert pressure_blocks(reqs, 100, 4.0) == 68 + 1 + 1
+
+
+def test_ideal_gives_every_gpu_every_prefix_computed_anywhere():
+    doc = toks(3, 64)
+    reqs = [WorkloadRequest(prompt=doc + toks(50 + i, 2), max_tokens=4, prefix_id="d",
+                            output_len=4) for i in range(16)]
+    arrivals = [0.0] + [1.0 + 0.001 * i for i in range(15)]  # the first one alone
+    ideal = ClusterSim(ClusterConfig(gpus=4, policy="ideal")).run(reqs, arrivals)
+    rr = ClusterSim(ClusterConfig(gpus=4, policy="round_robin")).run(reqs, arrivals)
+    # After the first request computed the document, every later one hits all of it,
+    # wherever it runs; round robin recomputes it once on each GPU it reaches first.
+    assert [r.cached_tokens for r in ideal.results[1:]] == [64 * 16] * 15
+    assert len([w for w, n in ideal.worker_requests.items() if n]) > 1
+    assert sum(r.cached_tokens for r in rr.results) < sum(r.cached_tokens for r in ideal.results)
+    mean = lambda run: sum(r.latency_s for r in run.results) / len(run.results)  # noqa: E731
+    assert mean(ideal) <= mean(rr)
+
+
+def test_rows_state_their_distance_from_ideal():
+    from prefixmesh.loadgen.ideal import annotate_ideal
+
+    rows = [{"policy": p, "workload": "w", "rate": 1.0, "gpus": 4, "seed": 0,
+             "latency_avg_s": avg, "latency_p99_s": 2 * avg}
+            for p, avg in (("ideal", 1.0), ("e2", 1.5))]
+    annotate_ideal(rows)
+    assert rows[1]["vs_ideal_avg"] == 1.5 and rows[1]["vs_ideal_p99"] == 1.5
+    assert rows[0]["vs_ideal_avg"] == 1.0
