@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixmesh sim",
         description="Virtual-time cluster simulation: the real global and local policies "
-        "against simulated GPUs, in one process. Writes the result schema of `bench`.")
+        "against simulated GPUs, in one process. Writes the result schema of `bench`. "
+        "`prefixmesh sim --suite family|quick` runs the placement suite instead "
+        "(loadgen/suite.py).")
     p.add_argument("--gpus", type=int, default=4, help="simulated GPUs (workers)")
     add_workload_args(p)
     p.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
@@ -175,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--suite" or a.startswith("--suite=") for a in argv):
+        from prefixmesh.loadgen.suite import main as suite_main  # the suite runs sweeps
+
+        return suite_main(argv)
     args = build_parser().parse_args(argv)
     if args.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
