@@ -72,6 +72,7 @@ class E2Policy:
         self.price = LoadCost(self.tree, self.tables)
         self.price.backlog_weight = config.prefill_backlog_weight
         self.price.interference = config.interference_weight
+        self.price.wait_window = config.window_s if config.load_wait else 0.0
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)

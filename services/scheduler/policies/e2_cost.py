@@ -49,6 +49,20 @@ class LoadCost:
         self.now = 0.0
         # Interference term: weight x P x the worker's running sequences.
         self.interference = 0.0
+        # Load term: the queueing delay ``L`` implies (window ``H`` seconds), or 0: ``L``.
+        self.wait_window = 0.0
+
+    def load(self, ws: WorkerState) -> float:
+        """The load term of ``ws``: ``L``, or the queueing delay it implies (M/M/1 at the
+        window's utilisation ``u = L / H``, capped by ``L``)."""
+        h = self.wait_window
+        if not h or ws.n <= 0:
+            return ws.L
+        u = ws.L / h
+        if u >= 1.0:
+            return ws.L
+        w = u / (1.0 - u) * ws.L / ws.n
+        return w if w < ws.L else ws.L
 
     def begin(self, node: Node) -> None:
         """Start pricing a request whose match ends in ``node``."""
@@ -58,7 +72,7 @@ class LoadCost:
     def terms(self, ws: WorkerState, cached_blocks: int, prompt: int) -> tuple[float, float, float]:
         """``(L, M, P)`` of the request on ``ws`` given the blocks of it ``ws`` caches."""
         missing = prompt - cached_blocks * self.block
-        return ws.L, self.evict_cost(ws, missing), (ws.tables or self.tables).pt(missing)
+        return self.load(ws), self.evict_cost(ws, missing), (ws.tables or self.tables).pt(missing)
 
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
@@ -66,7 +80,7 @@ class LoadCost:
         p = (ws.tables or self.tables).pt(missing)
         if self.interference:
             p += self.interference * p * ws.running
-        c = ws.L + ws.step_s * self.out + p + self.evict_cost(ws, missing)
+        c = self.load(ws) + ws.step_s * self.out + p + self.evict_cost(ws, missing)
         if self.backlog_weight and ws.busy_until > self.now:
             c += self.backlog_weight * (ws.busy_until - self.now)
         return c
@@ -102,7 +116,7 @@ class LoadCost:
         """Index and cost of the argmin of ``L + M + P`` over ``workers`` (``cached[i]`` =
         blocks of the request ``workers[i]`` caches); the earliest wins ties.
 
-        Branch and bound: ``L + P`` is a lower bound (M >= 0), so M, the one term that walks
+        Branch and bound: load + ``P`` is a lower bound (M >= 0), so M, the one term that walks
         an LRU list, is computed only for workers whose bound beats the best cost so far.
         """
         default = self.tables
@@ -113,6 +127,7 @@ class LoadCost:
         out = self.out
         bw, now = self.backlog_weight, self.now
         iw = self.interference
+        load = self.load
         for ws, got in zip(workers, cached):
             tables = ws.tables or default
             p = p_of.get((tables, got))
@@ -122,7 +137,7 @@ class LoadCost:
                 p += iw * p * ws.running
             if bw and ws.busy_until > now:
                 p += bw * (ws.busy_until - now)
-            bounds.append(ws.L + ws.step_s * out + p)
+            bounds.append(load(ws) + ws.step_s * out + p)
         first = bounds.index(min(bounds))
         best_i = first
         best = bounds[first] + self.evict_cost(workers[first], prompt - cached[first] * block)
