@@ -169,3 +169,12 @@ def test_e2_does_not_lose_to_round_robin_on_low_sharing_traffic():
         return sum(r.latency_s for r in run.results) / len(run.results)
 
     assert mean_latency("e2") <= 1.03 * mean_latency("round_robin")
+
+
+def test_up_starts_one_worker_per_listed_profile(tmp_path):
+    from prefixmesh.services.up import LocalMesh, MeshOptions
+
+    mesh = LocalMesh(MeshOptions(gpu_profiles="mistral-7b-h100:1,mistral-7b-a6000:2",
+                                 port=0, metrics_port=0, log_dir=tmp_path))
+    assert mesh.opts.workers == 3
+    assert mesh.worker_profiles == ("mistral-7b-h100", "mistral-7b-a6000", "mistral-7b-a6000")
