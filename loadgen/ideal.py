@@ -90,8 +90,7 @@ class IdealPolicy:
             return
         new = cache.acquire(hits, want - have)
         if new is None:  # no room even after evicting everything idle: no free copy
-            cache.free(hits)
-            return
+            return  # (acquire took no reference then)
         table = hits + new
         parent = hashes[have - 1] if have else None
         cache.store(table, have, hashes[have:want], parent, list(prompt[have * bs: want * bs]))

@@ -13,6 +13,7 @@ from prefixmesh.loadgen.cluster_sim import (
     working_set_blocks,
 )
 from prefixmesh.loadgen.workloads import WorkloadRequest, build_workload
+from prefixmesh.services.worker.engine.types import SimEngineConfig
 from prefixmesh.shared.costmodel import CostModel, parse_gpu_profiles, profile_counts
 from prefixmesh.shared.wire import LoadReportEvent
 from tests.helpers import e2_policy, route_input, toks
@@ -178,3 +179,12 @@ def test_up_starts_one_worker_per_listed_profile(tmp_path):
                                  port=0, metrics_port=0, log_dir=tmp_path))
     assert mesh.opts.workers == 3
     assert mesh.worker_profiles == ("mistral-7b-h100", "mistral-7b-a6000", "mistral-7b-a6000")
+
+
+def test_ideal_under_cache_pressure_keeps_the_cache_consistent():
+    # KV so small that a free copy often finds no room: the engines must still run.
+    reqs = [WorkloadRequest(prompt=toks(i % 5, 40) + toks(100 + i, 2), max_tokens=8,
+                            prefix_id=f"d{i % 5}", output_len=8) for i in range(60)]
+    cfg = ClusterConfig(gpus=2, policy="ideal", engine_config=SimEngineConfig(num_blocks=60))
+    run = ClusterSim(cfg).run(reqs, [0.01 * i for i in range(60)])
+    assert all(r.ok for r in run.results)
