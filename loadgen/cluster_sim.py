@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixmesh.loadgen.ideal import IDEAL, IdealPolicy
+from prefixmesh.loadgen.ideal import IDEAL, IdealPolicy, ideal_engine
 from prefixmesh.loadgen.results import RequestResult
 from prefixmesh.loadgen.trail_preds import (
     PREDICTION_MODES,
@@ -140,7 +140,8 @@ class ClusterSim:
         self.engines = {
             w: SimEngine(CostModel.load(self.profiles[w]),
                          make_local_policy(cfg.local_policy, cfg.local_config),
-                         cfg.engine_config)
+                         ideal_engine(CostModel.load(self.profiles[w]), cfg.engine_config)
+                         if cfg.policy == IDEAL else cfg.engine_config)
             for w in self.workers}
         # The ``ideal`` reference (loadgen/ideal.py) also fills the chosen GPU's cache.
         self.ideal = IdealPolicy(self.engines) if cfg.policy == IDEAL else None

@@ -7,10 +7,16 @@ Two things no real router has:
   not it is still cached there) is put into the chosen GPU's prefix cache for free, as if
   KV moved between GPUs instantly and without cost. A router can only hit blocks computed
   before, on the one GPU it picks; here every request hits all of them.
+- **No cache limit.** Each GPU's KV pool is ``IDEAL_KV_FACTOR`` times its profile's
+  (whatever ``--num-blocks`` or ``--cache-pressure`` set), so a free copy never evicts
+  what another request still needs: with the profile's pool, copies thrash the cache
+  wherever the working set exceeds it, and "ideal" ran 2-3x slower than the policies.
 - **Work balanced perfectly.** The request goes to the GPU with the least outstanding
   work in seconds of that GPU (the estimated prefill of what it misses plus decode of its
   output, on the GPU's own profile, with no report lag), released exactly when a request
-  finishes.
+  finishes. What it misses there counts the blocks of requests already routed there as
+  present (the engine shares a prefix an earlier request is computing), so siblings of a
+  burst that no GPU has computed yet join the GPU computing it.
 
 It is a reference, not a proof: a policy could in principle come in under it (e.g. by
 queueing order effects at a single rate), and the suite reports it if one does. Every run
@@ -21,15 +27,26 @@ of a policy states its distance from ``ideal`` on the same requests and arrivals
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from prefixmesh.services.scheduler.policies.base import Decision, NoWorkerError, RouteInput
 from prefixmesh.services.scheduler.policies.costs import CostTables
 from prefixmesh.services.worker.engine.sim import SimEngine
+from prefixmesh.services.worker.engine.types import SimEngineConfig
+from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.wire import BlockStored, KvEvent, LoadReportEvent, RequestDoneEvent
 
 IDEAL = "ideal"
+# KV pool of an ideal GPU, in multiples of its profile's.
+IDEAL_KV_FACTOR = 8
 # Running batch assumed when pricing decode work (as E2's default dt_batch_size).
 _DT_BATCH = 32
+
+
+def ideal_engine(cost: CostModel, base: SimEngineConfig | None) -> SimEngineConfig:
+    """An ideal GPU's engine limits: ``base``'s, with ``IDEAL_KV_FACTOR`` x the profile's KV."""
+    blocks = IDEAL_KV_FACTOR * (cost.kv_capacity_tokens // cost.block_size)
+    return replace(base or SimEngineConfig(), num_blocks=blocks)
 
 
 class IdealPolicy:
@@ -43,6 +60,8 @@ class IdealPolicy:
         self.computed: set[int] = set()
         self.tables = {w: CostTables(e.cost_model, _DT_BATCH) for w, e in engines.items()}
         self.work = dict.fromkeys(engines, 0.0)
+        # Every block hash routed to each GPU (computed there once its request ran).
+        self.routed: dict[str, set[int]] = {w: set() for w in engines}
         self.charged: dict[str, tuple[str, float]] = {}
 
     def add_worker(self, worker_id: str, capacity_tokens: int, now: float) -> None:
@@ -54,21 +73,28 @@ class IdealPolicy:
         hit = 0
         while hit < len(hashes) and hashes[hit] in computed:
             hit += 1
-        missing = req.prompt_tokens - hit * self._block
-        best, best_cost = "", 0.0
+        best, best_cost, best_hit = "", 0.0, 0
         for w, work in self.work.items():
             if w in req.exclude:
                 continue
+            # Blocks an earlier request routed here will have computed by the time this
+            # one runs (the engine shares them), beyond what is free everywhere.
+            routed = self.routed[w]
+            got = hit
+            while got < len(hashes) and hashes[got] in routed:
+                got += 1
             t = self.tables[w]
-            cost = work + t.pt(missing) + t.dt(req.prompt_tokens) * req.max_tokens
+            cost = (work + t.pt(req.prompt_tokens - got * self._block)
+                    + t.dt(req.prompt_tokens) * req.max_tokens)
             if not best or cost < best_cost:
-                best, best_cost = w, cost
+                best, best_cost, best_hit = w, cost, got
         if not best:
             raise NoWorkerError("no eligible worker")
         charge = best_cost - self.work[best]
         self.work[best] += charge
         self.charged[req.request_id] = (best, charge)
-        return Decision(best, IDEAL, hit * self._block)
+        self.routed[best].update(hashes)
+        return Decision(best, IDEAL, best_hit * self._block)
 
     @property
     def _block(self) -> int:
