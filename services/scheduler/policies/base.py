@@ -275,12 +275,6 @@ class GlobalPolicy(Protocol):
         """Choose a worker; raises ``NoWorkerError`` when none is eligible."""
         ...
 
-    def apply_decision(self, req: RouteInput, worker_id: str, now: float) -> None:
-        """Another scheduler replica routed ``req`` to ``worker_id``: charge the worker
-        (in-flight load, predicted cache entries) as ``route`` would have; unknown
-        workers are ignored."""
-        ...
-
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """Apply a worker's KV cache events (vLLM schema)."""
         ...

@@ -54,17 +54,6 @@ class _TreeBaseline(BaselinePolicy):
         if over > 0:
             tree.evict_lru(worker, over, protect=leaf)
 
-    def remember_peer(self, req: RouteInput, worker_id: str, now: float) -> None:
-        """A peer's decision goes on the approximate tree as this policy's own would."""
-        limit = self.tree_limit(worker_id)
-        if limit is not None:
-            node, m = self.tree.match(req.block_hashes)
-            self.remember(req, worker_id, node, m, now, limit)
-
-    def tree_limit(self, worker: str) -> int | None:
-        """Tokens of ``worker``'s approximate tree (None: decisions are not recorded)."""
-        return self._capacity[worker]
-
     def pick(self, scored: list[tuple[float, str]], lowest: bool) -> str:
         """Best score (lowest or highest); ties at random with the seeded generator."""
         best = min(s for s, _ in scored) if lowest else max(s for s, _ in scored)
@@ -78,10 +67,6 @@ class CacheAwarePolicy(_TreeBaseline):
     match; else the least loaded. Load = its own outstanding requests."""
 
     name = "cache_aware"
-
-    def tree_limit(self, worker: str) -> int | None:
-        """SGLang's router trims each worker's tree to its own bound, not the KV size."""
-        return self.cfg.ca_max_tree_tokens
 
     def route(self, req: RouteInput, now: float) -> Decision:
         """SGLang's cache_aware rule."""
@@ -110,10 +95,6 @@ class KvCostPolicy(_TreeBaseline):
 
     name = "kv_cost"
 
-    def tree_limit(self, worker: str) -> int | None:
-        """With KV events the index is the events' alone; else decisions stand in."""
-        return None if self.cfg.kv_use_events else self._capacity[worker]
-
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """Dynamo's indexer: stored blocks add, removed blocks drop, cleared resets."""
         self.clock(now)
@@ -133,9 +114,8 @@ class KvCostPolicy(_TreeBaseline):
             (weight * (req_blocks - depths.get(w, 0)) + active.get(w, 0), w) for w in ws
         ]
         w = self.pick(scored, lowest=True)
-        limit = self.tree_limit(w)
-        if limit is not None:  # approximate mode: routing decisions stand in
-            self.remember(req, w, node, m, now, limit)
+        if not self.cfg.kv_use_events:  # approximate mode: routing decisions stand in
+            self.remember(req, w, node, m, now, self._capacity[w])
         self.assigned(req, w, now)
         return Decision(w, self.name, min(depths.get(w, 0) * self.block, req.prompt_tokens))
 

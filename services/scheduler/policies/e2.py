@@ -165,7 +165,12 @@ class E2Policy:
                 break
             depth = d.start
             d = d.parent  # type: ignore[assignment]
-        out = self._output_estimate(req)
+        out = req.predicted_output
+        if out <= 0:
+            outputs = win.outputs
+            out = win.out_sum / len(outputs) if outputs else self._default_out
+        if 0 < req.max_tokens < out:
+            out = req.max_tokens
         price = self.price
         price.node, price.path, price.out = node, None, out  # start pricing this request
         price.now = now
@@ -177,31 +182,6 @@ class E2Policy:
         self._record(req, ws, node, m, prompt, got, out, now)
         matched = got * block
         return Decision(ws.id, kind, matched if matched < req.prompt_tokens else req.prompt_tokens)
-
-    def apply_decision(self, req: RouteInput, worker_id: str, now: float) -> None:
-        """A peer replica's decision: recorded in the tree and charged to L as if this
-        replica had routed it (same prompt, cached depth and output estimate)."""
-        ws = self._ws.get(worker_id)
-        if ws is None:
-            return
-        self._clock(now)
-        if self.window.entries and self.window.entries[0].t < now - self._window_s:
-            self.window.expire(now)
-        node, m = self.tree.match(req.block_hashes)
-        prompt = max(req.prompt_tokens, len(req.block_hashes) * self.block)
-        self._record(req, ws, node, m, prompt, self._depth_on(worker_id, node, m),
-                     self._output_estimate(req), now)
-
-    def _output_estimate(self, req: RouteInput) -> float:
-        """Output tokens charged for ``req``: the edge's prediction, else the window's
-        average, capped by ``max_tokens``."""
-        out = req.predicted_output
-        if out <= 0:
-            outputs = self.window.outputs
-            out = self.window.out_sum / len(outputs) if outputs else self._default_out
-        if 0 < req.max_tokens < out:
-            out = req.max_tokens
-        return out
 
     def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
         """``(L, M, P)`` of every eligible worker for ``req``, in seconds, without routing

@@ -192,16 +192,6 @@ class BaselinePolicy:
         blocks = math.ceil((req.prompt_tokens + req.predicted_output) / self.block)
         self.out.add(req.request_id, worker, req.prompt_tokens, blocks, now)
 
-    def apply_decision(self, req: RouteInput, worker_id: str, now: float) -> None:
-        """A peer replica's decision counts as outstanding here too."""
-        self.clock(now)
-        if worker_id in self._capacity:
-            self.assigned(req, worker_id, now)
-            self.remember_peer(req, worker_id, now)
-
-    def remember_peer(self, req: RouteInput, worker_id: str, now: float) -> None:
-        """Record a peer's decision on the approximate cache, for baselines that keep one."""
-
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """Most baselines ignore the workers' caches."""
 
