@@ -15,8 +15,7 @@ from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.wire import RequestDoneEvent
-from tests.helpers import default_cost, e2_policy, route_input, toks
-from tests.unit.test_cluster_sim import _shared_prefix_requests
+from tests.helpers import default_cost, e2_policy, route_input, shared_prefix_requests, toks
 
 COST = default_cost()
 
@@ -106,7 +105,7 @@ def test_kv_cost_takes_its_cache_from_events_not_from_remote_decisions():
 
 
 def _latencies(cfg: ClusterConfig) -> list[float]:
-    reqs = _shared_prefix_requests(40)
+    reqs = shared_prefix_requests(40)
     return [r.latency_s for r in ClusterSim(cfg).run(reqs, [i * 0.05 for i in range(40)]).results]
 
 
