@@ -423,6 +423,10 @@ class RoutedRequest(msgspec.Struct, omit_defaults=True, array_like=True):
     # The edge's predicted output tokens (0: none; the peer uses its window average).
     predicted_output: float = 0.0
     tenant: str = ""
+    # The decision's kind ("exploit", "pd_balance", ...) and the prompt tokens the deciding
+    # replica believed cached on the worker (the prefill it charged is prompt - this).
+    kind: str = ""
+    matched_tokens: int = 0
 
 
 class RoutingDecisionsEvent(_Msg):

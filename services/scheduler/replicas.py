@@ -15,7 +15,7 @@ it stays out of the routing queue group, so it never routes from an empty tree.
 
 from __future__ import annotations
 
-from prefixmesh.services.scheduler.policies.base import GlobalPolicy, RouteInput
+from prefixmesh.services.scheduler.policies.base import Decision, GlobalPolicy, RouteInput
 from prefixmesh.shared.wire import (
     AllBlocksCleared,
     KvEvent,
@@ -33,12 +33,12 @@ def route_input(req: TokenizedRequest) -> RouteInput:
                       predicted_output=req.predicted_output, exclude=frozenset(req.exclude))
 
 
-def routed(inp: RouteInput, worker_id: str) -> RoutedRequest:
+def routed(inp: RouteInput, d: Decision) -> RoutedRequest:
     """The record of one decision, for the other replicas."""
-    return RoutedRequest(request_id=inp.request_id, worker_id=worker_id,
+    return RoutedRequest(request_id=inp.request_id, worker_id=d.worker_id,
                          block_hashes=inp.block_hashes, prompt_tokens=inp.prompt_tokens,
                          max_tokens=inp.max_tokens, predicted_output=inp.predicted_output,
-                         tenant=inp.tenant)
+                         tenant=inp.tenant, kind=d.kind, matched_tokens=d.matched_tokens)
 
 
 def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id: str,
@@ -48,11 +48,11 @@ def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id
     if ev.scheduler_id == own_id:
         return 0
     for d in ev.decisions:
-        policy.apply_decision(
+        policy.apply_remote_decision(
             RouteInput(request_id=d.request_id, block_hashes=d.block_hashes,
                        prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
                        tenant=d.tenant, predicted_output=d.predicted_output),
-            d.worker_id, now)
+            Decision(d.worker_id, d.kind, d.matched_tokens), now)
     return len(ev.decisions)
 
 

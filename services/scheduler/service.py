@@ -278,7 +278,7 @@ class SchedulerService:
             return RouteReply(request_id=req.request_id, error=ErrorInfo(
                 str(exc) or "no worker available", code="unavailable", retriable=True))
         DECISION_LATENCY.observe(time.perf_counter() - t0)
-        told.append(routed(inp, d.worker_id))
+        told.append(routed(inp, d))
         DECISIONS.labels(d.kind).inc()
         self._count(d.kind)
         return RouteReply(request_id=req.request_id, worker_id=d.worker_id, decision=d.kind,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
-from prefixmesh.services.scheduler.policies.base import PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
 from prefixmesh.services.scheduler.replicas import CatchUp, apply_peer_decisions, routed
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.wire import AllBlocksCleared, BlockStored, RoutingDecisionsEvent
@@ -43,7 +43,7 @@ def _route_split(replicas, n: int, share: bool) -> list[str]:
         chosen.append(d.worker_id)
         if share:
             ev = RoutingDecisionsEvent(scheduler_id=str(i % len(replicas)), ts=now,
-                                       decisions=[routed(inp, d.worker_id)])
+                                       decisions=[routed(inp, d)])
             for j, peer in enumerate(replicas):
                 assert apply_peer_decisions(peer, ev, str(j), now) == (0 if peer is me else 1)
     return chosen
@@ -73,7 +73,7 @@ def test_a_peer_decision_records_the_prefix_in_the_tree():
     inp = _req(0)
     d = a.route(inp, 1.0)
     apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0,
-                                                  decisions=[routed(inp, d.worker_id)]), "B", 1.0)
+                                                  decisions=[routed(inp, d)]), "B", 1.0)
     node, m = b.tree.match(inp.block_hashes)
     assert m == len(inp.block_hashes) and d.worker_id in node.workers
     # b routes the next request of that prefix to the same worker, as a would.
@@ -86,13 +86,14 @@ def test_a_peer_decision_records_the_prefix_in_the_tree():
 def test_baselines_count_peer_decisions_as_outstanding(name):
     a, b = _policies(name, 2)
     inp = _req(3)
-    w = a.route(inp, 1.0).worker_id
+    d = a.route(inp, 1.0)
+    w = d.worker_id
     apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0,
-                                                  decisions=[routed(inp, w)]), "B", 1.0)
+                                                  decisions=[routed(inp, d)]), "B", 1.0)
     assert b.out.count[w] == 1 and b.out.reqs["r3"].worker == w
     # A peer's decision for a worker this replica does not know changes nothing.
     apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0, decisions=[
-        routed(_req(4), "gone")]), "B", 1.0)
+        routed(_req(4), Decision("gone", name))]), "B", 1.0)
     assert "r4" not in b.out.reqs
 
 
