@@ -1,6 +1,6 @@
 """deploy/k8s: every manifest validates against the Kubernetes OpenAPI schemas (offline,
 ``kubernetes-validate``, strict: unknown fields fail), and the topology the operations
-guide promises holds: a 3-node NATS cluster, Redis with a replica, an active/standby
+guide promises holds: a 3-node NATS cluster, Redis with a replica, active-active
 scheduler, scaled edge and tokenizer Deployments, one GPU worker per GPU node, probes and
 resource requests on every container."""
 

@@ -231,7 +231,7 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
                 for i in (0, 19):
                     node, m = restored.tree.match(block_hashes([i] * 64))
                     assert m == 4 and "a" in node.workers
-                # The lease is re-taken too, so a standby would not also become active.
+                # The lease is re-taken too, so another replica would not also write snapshots.
                 async def lease_held() -> bool:
                     return await client.get(sched.lease_key) == sched.instance_id.encode()
 
@@ -244,8 +244,8 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
 
 async def test_a_draining_scheduler_does_not_take_its_lease_back(nats_server, redis_server,
                                                                   prefix):
-    """drain() releases the lease for the standby; the lease loop must not re-take it in the
-    moments before the process exits (it would keep the standby waiting a whole TTL)."""
+    """drain() releases the lease for another replica; the lease loop must not re-take it in the
+    moments before the process exits (it would keep the others waiting a whole TTL)."""
     cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
                           redis_prefix=prefix, load_interval_s=FAST_LOAD_INTERVAL_S,
                           persist_interval_s=0.1, lease_ttl_s=0.6)
