@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixmesh.loadgen.results import RequestResult
+from prefixmesh.loadgen.sim_replicas import ReplicaConfig, ReplicatedPolicy
 from prefixmesh.loadgen.trail_preds import (
     PREDICTION_MODES,
     TRAIL_MODES,
@@ -67,6 +68,9 @@ class ClusterConfig:
     # trained TRAIL predictor's outputs from ``trail``, see loadgen/trail_preds.py).
     predictions: str = "none"
     trail: TrailPredictions | None = None
+    # Scheduler replicas and their sync delay (loadgen/sim_replicas.py); default: one
+    # scheduler that sees every event at once.
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     def __post_init__(self) -> None:
         if self.predictions not in PREDICTION_MODES:
@@ -127,7 +131,10 @@ class ClusterSim:
             raise ValueError("gpus must be at least 1")
         self.cfg = cfg
         self.cost = CostModel.load(cfg.profile)
-        self.policy: SimPolicy = make_policy(cfg.policy, cfg.policy_config, self.cost)
+        self.policy: SimPolicy = (
+            ReplicatedPolicy(cfg.policy, cfg.policy_config, self.cost, cfg.replicas)
+            if cfg.replicas.replicated
+            else make_policy(cfg.policy, cfg.policy_config, self.cost))
         self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
         self.engines = {
             w: SimEngine(self.cost, make_local_policy(cfg.local_policy, cfg.local_config),
