@@ -18,6 +18,7 @@ from typing import Protocol
 
 from prefixmesh.loadgen.ideal import IDEAL, IdealPolicy, ideal_engine
 from prefixmesh.loadgen.results import RequestResult
+from prefixmesh.loadgen.sim_replicas import ReplicaConfig, ReplicatedPolicy
 from prefixmesh.loadgen.trail_preds import (
     PREDICTION_MODES,
     TRAIL_MODES,
@@ -72,6 +73,9 @@ class ClusterConfig:
     # trained TRAIL predictor's outputs from ``trail``, see loadgen/trail_preds.py).
     predictions: str = "none"
     trail: TrailPredictions | None = None
+    # Scheduler replicas and their sync delay (loadgen/sim_replicas.py); default: one
+    # scheduler that sees every event at once.
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     def __post_init__(self) -> None:
         if self.gpu_profiles and self.gpus != len(self.gpu_profiles):
@@ -145,8 +149,10 @@ class ClusterSim:
             for w in self.workers}
         # The ``ideal`` reference (loadgen/ideal.py) also fills the chosen GPU's cache.
         self.ideal = IdealPolicy(self.engines) if cfg.policy == IDEAL else None
-        self.policy: SimPolicy = self.ideal or make_policy(cfg.policy, cfg.policy_config,
-                                                           self.cost)
+        self.policy: SimPolicy = self.ideal or (
+            ReplicatedPolicy(cfg.policy, cfg.policy_config, self.cost, cfg.replicas)
+            if cfg.replicas.replicated
+            else make_policy(cfg.policy, cfg.policy_config, self.cost))
         self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
         self.refiner = Refiner() if cfg.predictions == "refined" else None
         # (time, kind, push order, payload: request index, worker or None for a tick)

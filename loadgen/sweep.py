@@ -22,6 +22,13 @@ from prefixmesh.loadgen.policy_variants import (
     split_variants,
 )
 from prefixmesh.loadgen.results import summarize
+from prefixmesh.loadgen.sim_replicas import (
+    ReplicaConfig,
+    add_replica_args,
+    replica_configs,
+    replica_fields,
+    replica_label,
+)
 from prefixmesh.loadgen.trail_preds import (
     PREDICTION_MODES,
     TRAIL_MODES,
@@ -49,7 +56,8 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
     ``label`` / ``local_label`` name the policies in the row (variants with knobs); default
     ``cfg.policy`` / ``cfg.local_policy``.
     """
-    run = ClusterSim(cfg).run(requests, arrivals)
+    sim = ClusterSim(cfg)
+    run = sim.run(requests, arrivals)
     row = summarize(run.results, run.duration_s, policy=label or cfg.policy,
                     local_policy=local_label or cfg.local_policy, workload=workload,
                     rate=rate, gpus=cfg.gpus, backend="sim")
@@ -60,6 +68,7 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
                predictions=cfg.predictions)
     if cfg.gpu_profiles:
         row["gpu_profiles"] = profile_counts(cfg.gpu_profiles)
+    row.update(replica_fields(cfg.replicas, sim.policy))
     if cfg.engine_config is not None:
         row.update(max_num_seqs=cfg.engine_config.max_num_seqs,
                    num_blocks=cfg.engine_config.num_blocks)
@@ -76,6 +85,7 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
           progress: bool = True, predictions: str | Sequence[str] = "none",
           trail: TrailPredictions | None = None,
           engine: SimEngineConfig | None = None,
+          replicas: Sequence[ReplicaConfig] = (ReplicaConfig(),),
           gpu_profiles: tuple[str, ...] = (), cache_pressure: float = 0.0) -> list[dict]:
     """Every (rate, policy, local policy, predictions) point over the same seeded requests
     and arrivals.
@@ -85,9 +95,11 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
     With ``trail`` (the trained predictor's outputs) the requests are the ``sharegpt``
     conversations it predicted, with their predicted replies' lengths when those were
     SmolLM2's own (``prefixmesh.loadgen.trail_preds``). ``engine`` overrides the profile's
-    engine limits (sequence slots, KV blocks). ``gpu_profiles``: one profile per worker
-    (a mixed fleet; overrides ``gpus``). ``cache_pressure`` X > 0: each rate's KV blocks
-    per GPU set so its requests' working set is X times the fleet's cache.
+    engine limits (sequence slots, KV blocks). Each of ``replicas`` (scheduler replicas
+    and sync delay) is a point of its own, labelled ``policy@RxDms`` when replicated.
+    ``gpu_profiles``: one profile per worker (a mixed fleet; overrides ``gpus``).
+    ``cache_pressure`` X > 0: each rate's KV blocks per GPU set so its requests' working
+    set is X times the fleet's cache.
     """
     variants = [parse_variant(p) for p in policies]
     local_variants = [parse_local_variant(p) for p in local_policies]
@@ -111,19 +123,21 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
         for v in variants:
             runs = [(local, m) for local in local_variants
                     for m in (["none"] if local.policy in PREDICTION_BLIND else modes)]
-            for lv, mode in runs:
+            for (lv, mode), rc in ((r, rc) for r in runs for rc in replicas):
                 cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=lv.policy,
                                     local_config=lv.config, profile=profile,
                                     policy_config=v.config, predictions=mode, trail=trail,
-                                    engine_config=rate_engine, gpu_profiles=gpu_profiles)
-                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, v.label,
+                                    engine_config=rate_engine, replicas=rc,
+                                    gpu_profiles=gpu_profiles)
+                label = replica_label(v.label, rc)
+                row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, label,
                                lv.label)
                 row["seed"] = spec.seed
                 if cache_pressure > 0:
                     row["cache_pressure"] = cache_pressure
                 rows.append(row)
                 if progress:
-                    print(f"  {spec.workload} rate={rate:g} {v.label}/{lv.label} ({mode}): "
+                    print(f"  {spec.workload} rate={rate:g} {label}/{lv.label} ({mode}): "
                           f"avg {row['latency_avg_s']:.3f}s p99 {row['latency_p99_s']:.3f}s "
                           f"hit {row['cache_hit_ratio']:.1%} failed {row['failed']} "
                           f"({row['wall_s']:.1f}s wall)", file=sys.stderr, flush=True)
@@ -172,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "cache-pressure test); overrides --num-blocks")
     p.add_argument("--duration", type=float, default=120.0,
                    help="seconds of arrivals per run (requests = rate x duration)")
+    add_replica_args(p)
     p.add_argument("--json", type=Path, required=True, help="write {\"runs\": [...]} here")
     return p
 
@@ -216,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = SimEngineConfig(max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
     rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
                  policies, locals_, args.profile, args.duration,
-                 predictions=modes, trail=trail, engine=engine, gpu_profiles=fleet,
+                 predictions=modes, trail=trail, engine=engine,
+                 replicas=replica_configs(args), gpu_profiles=fleet,
                  cache_pressure=args.cache_pressure)
     annotate_ideal(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -160,6 +160,19 @@ def route_input(rid: str, *parts: list[int], out: float = 0.0, exclude: Collecti
 
 
 @functools.cache
+def shared_prefix_requests(n: int, docs: int = 4, doc_tokens: int = 2048) -> list:
+    """``n`` simulator requests cycling over ``docs`` shared documents (8 output tokens)."""
+    from prefixmesh.loadgen.workloads import WorkloadRequest
+
+    out = []
+    for i in range(n):
+        d = i % docs
+        doc = list(range(1000 * (d + 1) * 10, 1000 * (d + 1) * 10 + doc_tokens))
+        out.append(WorkloadRequest(prompt=doc + [5 + i % 7] * 40, max_tokens=8,
+                                   prefix_id=f"doc{d}", output_len=8))
+    return out
+
+
 def default_cost() -> CostModel:
     """The cost model of the default profile (loaded once)."""
     from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel

@@ -19,6 +19,7 @@ from prefixmesh.loadgen.sweep import main as sim_main
 from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.worker.engine.types import SimEngineConfig
+from tests.helpers import shared_prefix_requests
 
 SCHEMA = {"policy", "local_policy", "workload", "rate", "gpus", "backend", "requests",
           "completed", "failed", "latency_avg_s", "latency_p50_s", "latency_p90_s",
@@ -26,14 +27,7 @@ SCHEMA = {"policy", "local_policy", "workload", "rate", "gpus", "backend", "requ
           "cache_hit_ratio"}
 
 
-def _shared_prefix_requests(n: int, docs: int = 4, doc_tokens: int = 2048) -> list[WorkloadRequest]:
-    out = []
-    for i in range(n):
-        d = i % docs
-        doc = list(range(1000 * (d + 1) * 10, 1000 * (d + 1) * 10 + doc_tokens))
-        out.append(WorkloadRequest(prompt=doc + [5 + i % 7] * 40, max_tokens=8,
-                                   prefix_id=f"doc{d}", output_len=8))
-    return out
+_shared_prefix_requests = shared_prefix_requests
 
 
 def _run(policy: str, reqs, gap: float = 0.05, gpus: int = 4):

@@ -282,6 +282,19 @@ class GlobalPolicy(Protocol):
         """Choose a worker; raises ``NoWorkerError`` when none is eligible."""
         ...
 
+    def apply_remote_decision(self, req: RouteInput, decision: Decision, now: float) -> None:
+        """Account for a routing decision another scheduler replica made (active-active).
+
+        ``req`` is what that replica routed, ``decision`` what it chose. The policy books it
+        as if it had routed it itself, minus the choice: the in-flight load of the chosen
+        worker (E2's window ``L`` and prefill backlog; a baseline's outstanding requests)
+        and the prompt predicted on that worker's cache (tree entries; baselines that
+        learn their cache view from decisions). Pure and idempotent per request id, so a
+        decision delivered twice counts once; a decision for an unknown worker is ignored.
+        Without it, N replicas each see 1/N of the load they route by.
+        """
+        ...
+
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """Apply a worker's KV cache events (vLLM schema)."""
         ...

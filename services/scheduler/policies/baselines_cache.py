@@ -54,6 +54,18 @@ class _TreeBaseline(BaselinePolicy):
         if over > 0:
             tree.evict_lru(worker, over, protect=leaf)
 
+    def remember_limit(self, worker: str) -> int | None:
+        """Tokens of ``worker``'s cache view kept from decisions (None: the view comes from
+        KV events, decisions add nothing to it)."""
+        return self._capacity[worker]
+
+    def remember_remote(self, req: RouteInput, worker: str, now: float) -> None:
+        """Another replica's decision enters the cache view as this replica's own would."""
+        limit = self.remember_limit(worker)
+        if limit is not None:
+            node, m = self.tree.match(req.block_hashes)
+            self.remember(req, worker, node, m, now, limit)
+
     def pick(self, scored: list[tuple[float, str]], lowest: bool) -> str:
         """Best score (lowest or highest); ties at random with the seeded generator."""
         best = min(s for s, _ in scored) if lowest else max(s for s, _ in scored)
@@ -67,6 +79,10 @@ class CacheAwarePolicy(_TreeBaseline):
     match; else the least loaded. Load = its own outstanding requests."""
 
     name = "cache_aware"
+
+    def remember_limit(self, worker: str) -> int:
+        """SGLang trims each worker's approximate tree to one size, whatever its cache."""
+        return self.cfg.ca_max_tree_tokens
 
     def route(self, req: RouteInput, now: float) -> Decision:
         """SGLang's cache_aware rule."""
@@ -84,7 +100,7 @@ class CacheAwarePolicy(_TreeBaseline):
             if best and best * self.block / max(req.prompt_tokens, 1) > cfg.ca_cache_threshold:
                 # Several workers may hold the longest match: the least loaded of them.
                 w = min((x for x in ws if depths.get(x, 0) == best), key=loads.__getitem__)
-        self.remember(req, w, node, m, now, cfg.ca_max_tree_tokens)
+        self.remember(req, w, node, m, now, self.remember_limit(w))
         self.assigned(req, w, now)
         return Decision(w, self.name, min(depths.get(w, 0) * self.block, req.prompt_tokens))
 
@@ -94,6 +110,10 @@ class KvCostPolicy(_TreeBaseline):
     decode blocks``; argmin, ties at random. Its cache index comes from KV events."""
 
     name = "kv_cost"
+
+    def remember_limit(self, worker: str) -> int | None:
+        """Dynamo's index comes from KV events; decisions stand in only without them."""
+        return None if self.cfg.kv_use_events else self._capacity[worker]
 
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """Dynamo's indexer: stored blocks add, removed blocks drop, cleared resets."""
@@ -114,8 +134,9 @@ class KvCostPolicy(_TreeBaseline):
             (weight * (req_blocks - depths.get(w, 0)) + active.get(w, 0), w) for w in ws
         ]
         w = self.pick(scored, lowest=True)
-        if not self.cfg.kv_use_events:  # approximate mode: routing decisions stand in
-            self.remember(req, w, node, m, now, self._capacity[w])
+        limit = self.remember_limit(w)
+        if limit is not None:  # approximate mode: routing decisions stand in
+            self.remember(req, w, node, m, now, limit)
         self.assigned(req, w, now)
         return Decision(w, self.name, min(depths.get(w, 0) * self.block, req.prompt_tokens))
 

@@ -170,12 +170,7 @@ class E2Policy:
                 break
             depth = d.start
             d = d.parent  # type: ignore[assignment]
-        out = req.predicted_output
-        if out <= 0:
-            outputs = win.outputs
-            out = win.out_sum / len(outputs) if outputs else self._default_out
-        if 0 < req.max_tokens < out:
-            out = req.max_tokens
+        out = self._expected_output(req)
         price = self.price
         price.node, price.path, price.out = node, None, out  # start pricing this request
         price.now = now
@@ -187,6 +182,40 @@ class E2Policy:
         self._record(req, ws, node, m, prompt, got, out, now)
         matched = got * block
         return Decision(ws.id, kind, matched if matched < req.prompt_tokens else req.prompt_tokens)
+
+    def _expected_output(self, req: RouteInput) -> float:
+        """Output tokens charged to ``req``: its prediction, else the window's mean (capped
+        by ``max_tokens``)."""
+        out = req.predicted_output
+        if out <= 0:
+            win = self.window
+            outputs = win.outputs
+            out = win.out_sum / len(outputs) if outputs else self._default_out
+        if 0 < req.max_tokens < out:
+            out = req.max_tokens
+        return out
+
+    def apply_remote_decision(self, req: RouteInput, decision: Decision, now: float) -> None:
+        """Book another replica's decision as ``route`` books its own (``_record``): the
+        prompt predicted on the chosen worker in the tree (evicting by its capacity), the
+        prefill of what that replica believed missed (``decision.matched_tokens``) on its
+        backlog, and the request in the window (``L``, node counts), so ``on_done``
+        corrects it here too. A ``pd_balance`` decision uses up the worker's load report
+        here as well. Idempotent per (request id, worker)."""
+        self._clock(now)
+        ws = self._ws.get(decision.worker_id)
+        if ws is None:
+            return
+        prior = self.window.by_rid.get(req.request_id)
+        if prior is not None and prior.ws is ws:
+            return
+        hashes = req.block_hashes
+        node, m = self.tree.match(hashes)
+        prompt = max(req.prompt_tokens, len(hashes) * self.block)
+        got = min(decision.matched_tokens // self.block, len(hashes))
+        if decision.kind == "pd_balance":
+            ws.pd_used = True
+        self._record(req, ws, node, m, prompt, got, self._expected_output(req), now)
 
     def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
         """``(L, M, P)`` of every eligible worker for ``req``, in seconds, without routing

@@ -14,6 +14,7 @@ import msgspec
 
 from prefixmesh.services.scheduler.policies.base import (
     Changes,
+    Decision,
     NoWorkerError,
     PolicyConfig,
     PolicySummary,
@@ -191,6 +192,19 @@ class BaselinePolicy:
         """Book the request as outstanding on ``worker``."""
         blocks = math.ceil((req.prompt_tokens + req.predicted_output) / self.block)
         self.out.add(req.request_id, worker, req.prompt_tokens, blocks, now)
+
+    def apply_remote_decision(self, req: RouteInput, decision: Decision, now: float) -> None:
+        """Another replica routed ``req``: book it as outstanding on the chosen worker (a
+        retried request id counts once, on its latest worker); baselines whose cache view
+        is their own decisions also record the prompt there (``remember_remote``)."""
+        self.clock(now)
+        if decision.worker_id not in self._capacity:
+            return
+        self.remember_remote(req, decision.worker_id, now)
+        self.assigned(req, decision.worker_id, now)
+
+    def remember_remote(self, req: RouteInput, worker: str, now: float) -> None:
+        """Record a remote decision in the cache view; nothing for baselines without one."""
 
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """Most baselines ignore the workers' caches."""
