@@ -188,3 +188,15 @@ def test_ideal_under_cache_pressure_keeps_the_cache_consistent():
     cfg = ClusterConfig(gpus=2, policy="ideal", engine_config=SimEngineConfig(num_blocks=60))
     run = ClusterSim(cfg).run(reqs, [0.01 * i for i in range(60)])
     assert all(r.ok for r in run.results)
+
+
+def test_route_audit_classifies_every_decision():
+    from prefixmesh.loadgen.options import WorkloadSpec
+    from prefixmesh.loadgen.route_audit import audit
+
+    classes, avg, hit = audit(WorkloadSpec("toolbench", seed=0), "round_robin", 4, 20.0,
+                              3.0, 3.0)
+    assert sum(classes.values()) == 60 and avg > 0 and 0 < hit < 1
+    # Round robin ignores the caches: some repeat of a prefix lands on a new GPU.
+    assert sum(c for k, c in classes.items() if k[3] == "new_home") > 0
+    assert sum(c for k, c in classes.items() if k[3] == "first") >= 1
