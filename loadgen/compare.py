@@ -260,9 +260,10 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
     """Start ``c`` in front of ``group``'s workers; returns when it serves. ``env``: more
     environment for a prefixmesh mesh's services (e.g. PYTHONPATH of other code)."""
     if c.family == "prefixmesh":
+        # The first worker's profile: the edge serves its model name, as the workers do.
         opts = MeshOptions(
             workers=0, external_workers=group.n, policy=c.policy, local_policy=c.local_policy,
-            profile=group.profile, port=0, metrics_port=0, nats_url=infra["nats"],
+            profile=group.profiles[0], port=0, metrics_port=0, nats_url=infra["nats"],
             redis_url=infra["redis"], subject_prefix=group.subject_prefix,
             log_dir=log_dir / f"mesh-{serial}-{c.name}", log_level="WARNING",
             # A fresh Redis key prefix: the scheduler must not reload an earlier run's tree.
