@@ -18,9 +18,11 @@ import bisect
 import heapq
 import itertools
 import json
+import os
 import random
 import sys
 import time
+import tracemalloc
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -270,6 +272,58 @@ class _Cluster:
             )
 
 
+def _setup(policy: str, workers: int, config: PolicyConfig | None,
+           profile: str) -> tuple[GlobalPolicy, _Cluster]:
+    """The policy with ``workers`` registered workers, and the cluster that feeds it."""
+    cost = CostModel.load(profile)
+    pol = make_policy(policy, config or PolicyConfig(), cost)
+    names = [f"w{i}" for i in range(workers)]
+    for w in names:
+        pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
+    return pol, _Cluster(pol, names, cost.capacity_blocks)
+
+
+def policy_memory(
+    workload_stream: Iterable[BenchRequest],
+    workers: int,
+    requests: int,
+    policy: str = "e2",
+    *,
+    workload: str = "custom",
+    profile: str = DEFAULT_PROFILE,
+) -> dict:
+    """Memory the policy holds after routing ``requests`` requests of the stream (untimed).
+
+    Counted with ``tracemalloc``: the live allocations made in the scheduler's own code
+    (``services/scheduler/``: tree nodes, caching sets, LRU orders, the load window), not
+    the stand-in cluster's. ``bytes_per_worker`` is that total over the workers.
+    """
+    tracemalloc.start()
+    try:
+        pol, cluster = _setup(policy, workers, None, profile)
+        for br in itertools.islice(workload_stream, requests):
+            cluster.advance(br.t)
+            d = pol.route(br.route, br.t)
+            cluster.routed(br, d.worker_id, d.matched_tokens)
+        only = [tracemalloc.Filter(True, f"*{os.sep}services{os.sep}scheduler{os.sep}*")]
+        snap = tracemalloc.take_snapshot().filter_traces(only)
+    finally:
+        tracemalloc.stop()
+    total = sum(st.size for st in snap.statistics("filename"))
+    tree = pol.summary().tree
+    window = getattr(pol, "window", None)
+    return {
+        "workload": workload,
+        "workers": workers,
+        "policy": policy,
+        "requests": requests,
+        "policy_bytes": total,
+        "bytes_per_worker": round(total / workers),
+        "tree_nodes": tree.n_nodes if tree is not None else 0,
+        "window_entries": len(window.entries) if window is not None else 0,
+    }
+
+
 def run_bench(
     workload_stream: Iterable[BenchRequest],
     workers: int = 16,
@@ -282,12 +336,7 @@ def run_bench(
     profile: str = DEFAULT_PROFILE,
 ) -> dict:
     """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream."""
-    cost = CostModel.load(profile)
-    pol = make_policy(policy, config or PolicyConfig(), cost)
-    names = [f"w{i}" for i in range(workers)]
-    for w in names:
-        pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
-    cluster = _Cluster(pol, names, cost.capacity_blocks)
+    pol, cluster = _setup(policy, workers, config, profile)
     stream = iter(workload_stream)
     times: list[int] = []
     clock = time.perf_counter_ns
@@ -325,13 +374,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20_000, help="timed decisions")
     ap.add_argument("--warmup", type=int, default=5_000, help="untimed decisions first")
     ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
-    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (virtual)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="arrivals per second (virtual; default: the stream's rate for 16 "
+                    "workers, times workers / 16 with --scale-rate)")
+    ap.add_argument("--scale-rate", action="store_true",
+                    help="scale the default rate with the workers (the same load per worker)")
+    ap.add_argument("--memory", action="store_true",
+                    help="measure the policy's memory after warmup + requests decisions "
+                    "(tracemalloc, untimed) instead of timing")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
+    rate = args.rate
+    if rate is None and args.scale_rate:
+        rate = DEFAULT_RATE[args.workload] * args.workers / 16
+    if args.memory:
+        result = policy_memory(make_stream(args.workload, rate, args.seed), args.workers,
+                               args.warmup + args.requests, args.policy,
+                               workload=args.workload, profile=args.profile)
+        result["rate"] = rate
+        return _emit(result, args.json)
     result = run_bench(
-        make_stream(args.workload, args.rate, args.seed),
+        make_stream(args.workload, rate, args.seed),
         workers=args.workers,
         requests=args.requests,
         policy=args.policy,
@@ -339,10 +404,16 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         profile=args.profile,
     )
+    result["rate"] = rate
+    return _emit(result, args.json)
+
+
+def _emit(result: dict, path: str | None) -> int:
+    """Print the result line, and write it to ``path`` too."""
     text = json.dumps(result)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
     return 0
 
