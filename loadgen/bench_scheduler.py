@@ -24,7 +24,7 @@ import sys
 import time
 import tracemalloc
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
@@ -174,6 +174,36 @@ def make_stream(workload: str, rate: float | None = None, seed: int = 0) -> Iter
     raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
 
 
+class _Mirrored:
+    """The timed policy and a peer replica of it (``--remote``): the cluster's feedback
+    reaches both, and the peer learns the timed policy's decisions by
+    ``apply_remote_decision`` (timed too: what each replica spends per decision another
+    replica made)."""
+
+    def __init__(self, main: GlobalPolicy, peer: GlobalPolicy) -> None:
+        self.main, self.peer = main, peer
+
+    @property
+    def workers(self) -> Collection[str]:
+        return self.main.workers
+
+    def on_kv_events(self, worker: str, events: list, now: float) -> None:
+        self.main.on_kv_events(worker, events, now)
+        self.peer.on_kv_events(worker, events, now)
+
+    def on_load(self, report: LoadReportEvent, now: float) -> None:
+        self.main.on_load(report, now)
+        self.peer.on_load(report, now)
+
+    def on_done(self, done: RequestDoneEvent, now: float) -> None:
+        self.main.on_done(done, now)
+        self.peer.on_done(done, now)
+
+    def tick(self, now: float) -> None:
+        self.main.tick(now)
+        self.peer.tick(now)
+
+
 class _Cluster:
     """Untimed stand-in for the workers: prefix caches, completions, load reports.
 
@@ -184,7 +214,8 @@ class _Cluster:
     scheduler's CPU caches here.
     """
 
-    def __init__(self, policy: GlobalPolicy, workers: list[str], capacity_blocks: int) -> None:
+    def __init__(self, policy: GlobalPolicy | _Mirrored, workers: list[str],
+                 capacity_blocks: int) -> None:
         self.policy = policy
         self.capacity = capacity_blocks
         # Per worker: last hash of a segment -> its hashes, least recently used first.
@@ -272,15 +303,27 @@ class _Cluster:
             )
 
 
-def _setup(policy: str, workers: int, config: PolicyConfig | None,
-           profile: str) -> tuple[GlobalPolicy, _Cluster]:
-    """The policy with ``workers`` registered workers, and the cluster that feeds it."""
+def _setup(policy: str, workers: int, config: PolicyConfig | None, profile: str,
+           peer: bool = False) -> tuple[GlobalPolicy, _Cluster, GlobalPolicy | None]:
+    """The policy with ``workers`` registered workers, the cluster that feeds it and (with
+    ``peer``) a second replica fed the same."""
     cost = CostModel.load(profile)
-    pol = make_policy(policy, config or PolicyConfig(), cost)
     names = [f"w{i}" for i in range(workers)]
-    for w in names:
-        pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
-    return pol, _Cluster(pol, names, cost.capacity_blocks)
+    pols = []
+    for _ in range(2 if peer else 1):
+        pols.append(p := make_policy(policy, config or PolicyConfig(), cost))
+        for w in names:
+            p.add_worker(w, cost.kv_capacity_tokens, 0.0)
+    fed = _Mirrored(pols[0], pols[1]) if peer else pols[0]
+    return pols[0], _Cluster(fed, names, cost.capacity_blocks), pols[1] if peer else None
+
+
+def _quantiles(times: list[int]) -> tuple[float, float, float]:
+    """Calls per second of work, p50 and p99 (µs) of sorted nanosecond timings."""
+    total_s = sum(times) / 1e9
+    return (round(len(times) / total_s, 1) if total_s else 0.0,
+            round(times[len(times) // 2] / 1e3, 2),
+            round(times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, 2))
 
 
 def policy_memory(
@@ -300,7 +343,7 @@ def policy_memory(
     """
     tracemalloc.start()
     try:
-        pol, cluster = _setup(policy, workers, None, profile)
+        pol, cluster, _ = _setup(policy, workers, None, profile)
         for br in itertools.islice(workload_stream, requests):
             cluster.advance(br.t)
             d = pol.route(br.route, br.t)
@@ -320,6 +363,9 @@ def policy_memory(
         "policy_bytes": total,
         "bytes_per_worker": round(total / workers),
         "tree_nodes": tree.n_nodes if tree is not None else 0,
+        "tree_blocks": tree.n_blocks if tree is not None else 0,
+        # Blocks the tree holds per worker (a block cached by two workers counts twice).
+        "cached_blocks": sum(tree.worker_blocks.values()) if tree is not None else 0,
         "window_entries": len(window.entries) if window is not None else 0,
     }
 
@@ -334,11 +380,16 @@ def run_bench(
     warmup: int = 5_000,
     config: PolicyConfig | None = None,
     profile: str = DEFAULT_PROFILE,
+    remote: bool = False,
 ) -> dict:
-    """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream."""
-    pol, cluster = _setup(policy, workers, config, profile)
+    """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream.
+
+    ``remote``: a peer replica learns each decision (``apply_remote_decision``), timed as
+    ``remote_*`` (what a replica spends on a decision another one made)."""
+    pol, cluster, peer = _setup(policy, workers, config, profile, peer=remote)
     stream = iter(workload_stream)
     times: list[int] = []
+    applied: list[int] = []
     clock = time.perf_counter_ns
     for i in range(warmup + requests):
         br = next(stream)
@@ -346,19 +397,25 @@ def run_bench(
         t0 = clock()
         d = pol.route(br.route, br.t)
         t1 = clock()
+        if peer is not None:
+            peer.apply_remote_decision(br.route, d, br.t)
+            if i >= warmup:
+                applied.append(clock() - t1)
         if i >= warmup:
             times.append(t1 - t0)
         cluster.routed(br, d.worker_id, d.matched_tokens)
     times.sort()
-    total_s = sum(times) / 1e9
-    return {
-        "workload": workload,
-        "workers": workers,
-        "policy": policy,
-        "decisions_per_s": round(len(times) / total_s, 1) if total_s else 0.0,
-        "p50_us": round(times[len(times) // 2] / 1e3, 2),
-        "p99_us": round(times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, 2),
-    }
+    per_s, p50, p99 = _quantiles(times)
+    out = {"workload": workload, "workers": workers, "policy": policy,
+           "decisions_per_s": per_s, "p50_us": p50, "p99_us": p99}
+    if applied:
+        applied.sort()
+        per_s, p50, p99 = _quantiles(applied)
+        # Mean time of a remote decision over a decision's own: the share of a replica's
+        # policy CPU that the other replicas' decisions take is (R - 1) x this.
+        out.update(remote_per_s=per_s, remote_p50_us=p50, remote_p99_us=p99,
+                   remote_cost_ratio=round(sum(applied) / sum(times), 3))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                     "workers, times workers / 16 with --scale-rate)")
     ap.add_argument("--scale-rate", action="store_true",
                     help="scale the default rate with the workers (the same load per worker)")
+    ap.add_argument("--remote", action="store_true",
+                    help="also time a peer replica learning each decision "
+                    "(apply_remote_decision): remote_* figures")
     ap.add_argument("--memory", action="store_true",
                     help="measure the policy's memory after warmup + requests decisions "
                     "(tracemalloc, untimed) instead of timing")
@@ -403,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         workload=args.workload,
         warmup=args.warmup,
         profile=args.profile,
+        remote=args.remote,
     )
     result["rate"] = rate
     return _emit(result, args.json)

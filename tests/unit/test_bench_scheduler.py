@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from prefixmesh.loadgen.bench_scheduler import main, make_stream, policy_memory
+from prefixmesh.loadgen.bench_scheduler import main, make_stream, policy_memory, run_bench
 
 
 def test_policy_memory_grows_with_the_requests_it_holds():
@@ -24,3 +24,11 @@ def test_memory_mode_scales_the_default_rate_with_the_workers(tmp_path, capsys):
     row = json.loads(out.read_text())
     assert row["rate"] == 640.0 and row["requests"] == 100 and row["workers"] == 64
     assert json.loads(capsys.readouterr().out) == row
+
+
+def test_remote_mode_times_a_peer_replica_learning_each_decision():
+    row = run_bench(make_stream("toolbench", 160.0), workers=8, requests=300, warmup=100,
+                    remote=True)
+    assert row["remote_p50_us"] > 0 and row["remote_cost_ratio"] > 0
+    plain = run_bench(make_stream("toolbench", 160.0), workers=8, requests=50, warmup=10)
+    assert "remote_p50_us" not in plain
