@@ -215,18 +215,68 @@ def _mean(rows: Sequence[dict], field: str) -> float:
     return sum(r[field] for r in rows) / len(rows)
 
 
-def replica_report(runs: Sequence[dict]) -> str:
-    """Markdown: per (workload, GPUs, rate, policy), each (schedulers, delay) point against
-    one scheduler with no delay, means over the seeds both ran."""
-    groups: dict[tuple, dict[tuple[int, float, bool], dict]] = {}
+Groups = dict[tuple, dict[tuple[int, float, bool], dict]]
+
+
+def _groups(runs: Sequence[dict]) -> Groups:
+    """(workload, GPUs, rate, policy, local) -> (schedulers, delay ms, decisions shared) ->
+    seed -> row."""
+    groups: Groups = {}
     for r in runs:
         base = str(r["policy"]).split("@")[0]
         key = (r["workload"], r["gpus"], r["rate"], base, r.get("local_policy"))
         point = (int(r.get("schedulers", 1)), float(r.get("sync_delay_ms", 0.0)),
                  bool(r.get("share_decisions", True)))
         groups.setdefault(key, {}).setdefault(point, {})[r.get("seed")] = r
+    return groups
+
+
+def _versus(by_seed: dict, one: dict) -> tuple[list, float, float, float, float] | None:
+    """Seeds both ran, mean avg and p99 over them, and their change against ``one``."""
+    seeds = sorted(set(by_seed) & set(one), key=str)
+    if not seeds:
+        return None
+    rows = [by_seed[s] for s in seeds]
+    ref = [one[s] for s in seeds]
+    avg, p99 = _mean(rows, "latency_avg_s"), _mean(rows, "latency_p99_s")
+    return (seeds, avg, p99, avg / _mean(ref, "latency_avg_s") - 1,
+            p99 / _mean(ref, "latency_p99_s") - 1)
+
+
+def replica_matrix(runs: Sequence[dict]) -> str:
+    """Markdown, compact: per panel, schedulers x sync delay, each cell the change of the
+    mean average / p99 latency against one scheduler with no delay (decisions shared)."""
     out: list[str] = []
-    for (workload, gpus, rate, policy, local), points in sorted(groups.items(), key=str):
+    for (workload, gpus, rate, policy, local), points in sorted(_groups(runs).items(),
+                                                                key=str):
+        one = points.get((1, 0.0, True))
+        if one is None:
+            continue
+        delays = sorted({d for _, d, shared in points if shared})
+        counts = sorted({n for n, _, shared in points if shared})
+        out.append(f"{workload}, {gpus} GPUs, {rate:g} req/s, {policy}/{local}: one "
+                   f"scheduler {_mean(list(one.values()), 'latency_avg_s'):.3f} / "
+                   f"{_mean(list(one.values()), 'latency_p99_s'):.3f} s (avg / p99, seeds "
+                   f"{', '.join(map(str, sorted(one, key=str)))})\n")
+        out.append("| schedulers | " + " | ".join(f"{d:g} ms" for d in delays) + " |")
+        out.append("|---|" + "---|" * len(delays))
+        for n in counts:
+            cells = []
+            for d in delays:
+                v = _versus(points.get((n, d, True), {}), one)
+                cells.append("" if v is None else f"{v[3]:+.1%} / {v[4]:+.1%}"
+                             + ("" if len(v[0]) == len(one) else f" (seeds {len(v[0])})"))
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def replica_report(runs: Sequence[dict]) -> str:
+    """Markdown: per (workload, GPUs, rate, policy), each (schedulers, delay) point against
+    one scheduler with no delay, means over the seeds both ran."""
+    out: list[str] = []
+    for (workload, gpus, rate, policy, local), points in sorted(_groups(runs).items(),
+                                                                key=str):
         one = points.get((1, 0.0, True))
         if one is None:
             continue
@@ -236,14 +286,11 @@ def replica_report(runs: Sequence[dict]) -> str:
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for (n, d, shared), by_seed in sorted(points.items(), key=lambda kv: (not kv[0][2],
                                                                               kv[0][:2])):
-            seeds = sorted(set(by_seed) & set(one), key=str)
-            if not seeds:
+            v = _versus(by_seed, one)
+            if v is None:
                 continue
+            seeds, avg, p99, d_avg, d_p99 = v
             rows = [by_seed[s] for s in seeds]
-            ref = [one[s] for s in seeds]
-            avg, p99 = _mean(rows, "latency_avg_s"), _mean(rows, "latency_p99_s")
-            d_avg = avg / _mean(ref, "latency_avg_s") - 1
-            d_p99 = p99 / _mean(ref, "latency_p99_s") - 1
             out.append(f"| {n} | {d:g} | {'yes' if shared else 'no'} | "
                        f"{', '.join(map(str, seeds))} | {avg:.3f} | "
                        f"{p99:.3f} | {_mean(rows, 'cache_hit_ratio'):.1%} | "
@@ -258,8 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "(results of prefixmesh sim --schedulers ... "
                                 "--sync-delay-ms ...).")
     p.add_argument("results", nargs="+", type=Path)
+    p.add_argument("--matrix", action="store_true",
+                   help="compact: schedulers x delay, change of avg / p99 per cell")
     args = p.parse_args(argv)
-    print(replica_report(load_runs(args.results)))
+    runs = load_runs(args.results)
+    print(replica_matrix(runs) if args.matrix else replica_report(runs))
     return 0
 
 

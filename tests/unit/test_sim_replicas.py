@@ -8,7 +8,12 @@ import json
 import pytest
 
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
-from prefixmesh.loadgen.sim_replicas import ReplicaConfig, ReplicatedPolicy, replica_report
+from prefixmesh.loadgen.sim_replicas import (
+    ReplicaConfig,
+    ReplicatedPolicy,
+    replica_matrix,
+    replica_report,
+)
 from prefixmesh.loadgen.sweep import main as sim_main
 from prefixmesh.services.scheduler.policies import make_policy
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
@@ -166,3 +171,6 @@ def test_sim_verb_runs_every_replica_point_and_the_report_compares_them(tmp_path
     assert sum(runs[3]["replica_routed"]) == runs[3]["requests"]
     table = replica_report(runs)
     assert "| 2 | 10 | yes | 0 |" in table and "+0.0% | +0.0% |" in table
+    matrix = replica_matrix(runs)
+    assert "| schedulers | 0 ms | 10 ms |" in matrix
+    assert "| 1 | +0.0% / +0.0% |" in matrix and matrix.count("\n| 2 | ") == 1
