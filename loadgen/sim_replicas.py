@@ -265,7 +265,8 @@ def replica_matrix(runs: Sequence[dict]) -> str:
             for d in delays:
                 v = _versus(points.get((n, d, True), {}), one)
                 cells.append("" if v is None else f"{v[3]:+.1%} / {v[4]:+.1%}"
-                             + ("" if len(v[0]) == len(one) else f" (seeds {len(v[0])})"))
+                             + ("" if len(v[0]) == len(one)
+                                else " (seed " + ", ".join(map(str, v[0])) + ")"))
             out.append(f"| {n} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -31,4 +31,7 @@ def test_remote_mode_times_a_peer_replica_learning_each_decision():
                     remote=True)
     assert row["remote_p50_us"] > 0 and row["remote_cost_ratio"] > 0
     plain = run_bench(make_stream("toolbench", 160.0), workers=8, requests=50, warmup=10)
-    assert "remote_p50_us" not in plain
+    assert "remote_p50_us" not in plain and plain["clock"] == "wall"
+    cpu = run_bench(make_stream("toolbench", 160.0), workers=8, requests=50, warmup=10,
+                    cpu_clock=True)
+    assert cpu["clock"] == "cpu" and cpu["p99_us"] >= cpu["p50_us"] > 0
