@@ -8,6 +8,10 @@ the in-process benchmark as TokenizedRequests over NATS with ``--in-flight`` out
 reports decisions per second and client-side latency percentiles (request/reply round
 trip: msgpack encode, NATS hop, decision, reply).
 
+``--schedulers N`` spawns N active-active replicas (one routing queue group, each charging
+the others' decisions): the result adds each replica's share of the decisions and the CPU
+all of them spent per decision.
+
 The client routes as the edge does (``shared/bus.py`` ``RequestBatcher``): while
 ``--route-inflight`` messages are unanswered, new requests wait and go together in the
 next one, ``--route-batch`` at most (``--route-batch 1``: one message per request). Each
@@ -75,10 +79,21 @@ async def _report_loop(bus: Bus, workers: list[str]) -> None:
         await asyncio.sleep(REPORT_INTERVAL_S)
 
 
-async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int]]) -> dict:
+async def _all_route(logs: list[Path], timeout_s: float = 60.0) -> None:
+    """Wait until every spawned replica has joined the routing queue group (its log says)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(log.exists() and "routes (policy" in log.read_text() for log in logs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"schedulers not routing after {timeout_s}s (logs {logs})")
+        await asyncio.sleep(0.2)
+
+
+async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int]],
+               logs: list[Path]) -> dict:
     bus = await Bus.connect(nats_url, Subjects(args.prefix), "bench-live")
     workers = [f"w{i}" for i in range(args.workers)]
     reporter = asyncio.create_task(_report_loop(bus, workers))
+    await _all_route(logs)
     try:
         stream = make_stream(args.workload, None, args.seed)
         reqs = [next(stream).route for _ in range(args.warmup + args.requests)]
@@ -88,7 +103,7 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
                                  block_hashes=r.block_hashes, prompt_tokens=r.prompt_tokens)
                 for r in reqs]
         # Wait until the scheduler routes (it has seen the workers' reports).
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             reply = await bus.request(bus.subjects.route, msgs[0], ROUTE_REPLY, 5)
             if reply.worker_id:
@@ -132,6 +147,7 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         await asyncio.gather(reporter, return_exceptions=True)
         await bus.close()
     latencies.sort()
+    sched_cpu = sum(v for k, v in cpu.items() if k.startswith("scheduler"))
     stall_sums = stalls.summarize(args.stalls, *window) if args.stalls is not None else None
     return {
         "workload": args.workload, "workers": args.workers, "policy": args.policy,
@@ -142,6 +158,9 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         # CPU per decision of each process: what other load on the machine does not
         # inflate the way it inflates latency (empty with an external scheduler).
         "cpu_us_per_decision": {k: round(v / len(latencies) * 1e6, 1) for k, v in cpu.items()},
+        "schedulers": args.schedulers,
+        # Every replica's CPU together, per decision of the whole fleet.
+        "scheduler_cpu_us_per_decision": round(sched_cpu / len(latencies) * 1e6, 1),
         "loadavg_1m": round(os.getloadavg()[0], 2),
         **({"stalls": stall_sums} if stall_sums is not None else {}),
         "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
@@ -165,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--route-inflight", type=int, default=BatchLimits().max_inflight,
                     help="routing messages awaiting their answer at once, as the edge's "
                     "--route-inflight")
+    ap.add_argument("--schedulers", type=int, default=1,
+                    help="scheduler replicas to spawn (active-active)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nats-url", default="", help="use this NATS server (default: start one)")
     ap.add_argument("--redis-url", default="",
@@ -187,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--stalls and --baseline concern the scheduler this command spawns")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
     procs: list[ManagedProcess] = []
+    # Logs of spawned replicas to wait on (an older --baseline package logs no such line).
+    routing_logs: list[Path] = []
     try:
         nats_url = args.nats_url
         if not nats_url:
@@ -205,19 +228,22 @@ def main(argv: list[str] | None = None) -> int:
                 argv_sched = [sys.executable, stalls.__file__, "--out", str(args.stalls), *timed,
                               "--", "prefixmesh.services.scheduler"]
             extra = {"PYTHONPATH": str(args.baseline.resolve())} if args.baseline else {}
-            procs.append(ManagedProcess(
-                "scheduler", argv_sched,
-                env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
-                              PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
-                              PM_POLICY=args.policy, PM_LOG_LEVEL="WARNING",
-                              # The fake workers' reports share this client's busy event
-                              # loop: be lenient about their timing.
-                              PM_MISSED_REPORTS="40", **extra),
-                log_path=tmp / "scheduler.log").start())
+            logs = [tmp / f"scheduler-{i}.log" for i in range(args.schedulers)]
+            for i, log in enumerate(logs):
+                procs.append(ManagedProcess(
+                    f"scheduler-{i}", argv_sched,
+                    env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
+                                  PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
+                                  PM_POLICY=args.policy, PM_LOG_LEVEL="INFO",
+                                  # The fake workers' reports share this client's busy event
+                                  # loop: be lenient about their timing.
+                                  PM_MISSED_REPORTS="40", PM_CATCHUP_TIMEOUT_S="5", **extra),
+                    log_path=log).start())
+            routing_logs = [] if args.baseline else logs
         import uvloop  # the client's own loop must not be the bottleneck
 
         pids = {p.name: [p.pid] for p in procs}
-        result = uvloop.run(_run(nats_url, args, pids))
+        result = uvloop.run(_run(nats_url, args, pids, routing_logs))
     finally:
         for proc in reversed(procs):  # scheduler first, then the servers
             proc.stop()

@@ -30,11 +30,13 @@ from prefixmesh.shared.models import card_for
 from prefixmesh.shared.runtime.config import option
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
+    NatsCluster,
     child_env,
     free_port,
     get_json,
     port_open,
     start_nats,
+    start_nats_cluster,
     start_redis,
 )
 from prefixmesh.shared.text.gguf_vocab import GgufTokenizerError, ensure_default_tokenizer
@@ -61,8 +63,12 @@ class MeshOptions:
     workers_per_process: int = option(1, "sim workers sharing one process (each keeps its "
                                       "own id, subjects and load reports): a large fleet "
                                       "on a small machine")
-    schedulers: int = option(1, "scheduler instances: one active, the others standing by on "
-                             "the Redis lease")
+    schedulers: int = option(1, "scheduler replicas, all routing (active-active)")
+    edges: int = option(1, "edge replicas, on consecutive ports from --port")
+    tokenizers: int = option(1, "tokenizer replicas (one queue group)")
+    nats_cluster: int = option(1, "nats-servers to start: above 1, that many routed as one "
+                               "cluster (JetStream replicated on up to 3) on free ports; 1, "
+                               "one server, only when none listens at --nats-url")
     backend: str = option("sim", "engine backend of the workers", choices=tuple(BACKENDS))
     policy: str = option(DEFAULT_POLICY, "global scheduling policy")
     local_policy: str = option(DEFAULT_LOCAL_POLICY, "workers' local queue policy",
@@ -119,6 +125,8 @@ class LocalMesh:
         # Service name -> port of its Prometheus /metrics (edge and metrics serve their own).
         self.metrics_ports: dict[str, int] = {}
         self.nats_url = opts.nats_url
+        # The nats cluster this mesh started (--nats-cluster N > 1): its nodes restart.
+        self.nats_cluster: NatsCluster | None = None
         self.redis_url = opts.redis_url
         if opts.port == 0:
             opts.port = free_port()
@@ -127,7 +135,13 @@ class LocalMesh:
 
     @property
     def url(self) -> str:
-        return f"http://{self.opts.host}:{self.opts.port}"
+        """The first edge's URL."""
+        return self.edge_urls[0]
+
+    @property
+    def edge_urls(self) -> list[str]:
+        """Every edge's URL (consecutive ports from ``--port``)."""
+        return [f"http://{self.opts.host}:{self.opts.port + i}" for i in range(self.opts.edges)]
 
     @property
     def metrics_url(self) -> str:
@@ -135,7 +149,9 @@ class LocalMesh:
 
     def scrape_urls(self) -> dict[str, str]:
         """Every service's Prometheus endpoint, by service name (what Prometheus scrapes)."""
-        urls = {"edge": self.url + "/metrics", "metrics": self.metrics_url + "/metrics"}
+        urls = {_replica_name("edge", i): url + "/metrics"
+                for i, url in enumerate(self.edge_urls)}
+        urls["metrics"] = self.metrics_url + "/metrics"
         for name, port in self.metrics_ports.items():
             urls[name] = f"http://{self.opts.host}:{port}/metrics"
         return urls
@@ -148,7 +164,14 @@ class LocalMesh:
     def _ensure_infra(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         host, port = _host_port(self.nats_url, 4222)
-        if not port_open(host, port):
+        if self.opts.nats_cluster > 1:
+            cluster = start_nats_cluster(self.opts.nats_cluster, self.log_dir / "jetstream",
+                                         self.log_dir)
+            self.infra.extend(cluster.nodes)
+            self.nats_url = cluster.url
+            self.nats_cluster = cluster
+            log.info("started a %d-node nats cluster at %s", len(cluster.nodes), self.nats_url)
+        elif not port_open(host, port):
             proc, self.nats_url = start_nats(port=port, data_dir=self.log_dir / "jetstream",
                                              log_path=self.log_dir / "nats-server.log")
             self.infra.append(proc)
@@ -185,10 +208,11 @@ class LocalMesh:
                 raise RuntimeError(str(exc)) from None
         self._ensure_infra()
         self._spawn("metrics", "metrics", PM_HOST=o.host, PM_PORT=str(o.metrics_port))
-        self._spawn("tokenizer", "tokenizer")
+        for i in range(o.tokenizers):
+            self._spawn("tokenizer", _replica_name("tokenizer", i))
         self._spawn("predictor", "predictor")
         for i in range(o.schedulers):
-            self._spawn("scheduler", "scheduler" if i == 0 else f"scheduler-{i}",
+            self._spawn("scheduler", _replica_name("scheduler", i),
                         PM_POLICY=o.policy, PM_PROFILE=o.profile)
         for first, ids in worker_groups(o.workers, o.workers_per_process, o.backend):
             who = {"PM_WORKER_ID": ids[0]} if len(ids) == 1 else {"PM_WORKER_IDS": ",".join(ids)}
@@ -197,7 +221,11 @@ class LocalMesh:
         served = card_for(o.backend, o.profile)  # what the workers serve, if known here
         models = ({"PM_MODELS": served.name}
                   if served is not None and "PM_MODELS" not in o.extra_env else {})
-        self._spawn("edge", "edge", PM_HOST=o.host, PM_PORT=str(o.port), **models)
+        if o.nats_cluster > 1:  # the Batch API's bucket survives a node, as routing does
+            models["PM_BATCH_REPLICAS"] = str(min(o.nats_cluster, 3))
+        for i in range(o.edges):
+            self._spawn("edge", _replica_name("edge", i), PM_HOST=o.host,
+                        PM_PORT=str(o.port + i), **models)
         self._wait_ready()
         return self
 
@@ -214,9 +242,10 @@ class LocalMesh:
         expected = self.opts.workers + self.opts.external_workers
         while True:
             self._check_alive()
-            edge = get_json(self.url + "/health", POLL_TIMEOUT_S)
+            edge = all(get_json(u + "/health", POLL_TIMEOUT_S) is not None
+                       for u in self.edge_urls)
             cluster = get_json(self.metrics_url + "/cluster", POLL_TIMEOUT_S)
-            waiting = awaited(edge is not None, cluster, own, expected)
+            waiting = awaited(edge, cluster, own, expected)
             if not waiting:
                 return
             now = time.monotonic()
@@ -265,6 +294,11 @@ class LocalMesh:
                 return 1
             time.sleep(POLL_S * 2)
         return 0
+
+
+def _replica_name(service: str, i: int) -> str:
+    """``edge``, ``edge-1``, ``edge-2``...: the first replica keeps the plain name."""
+    return service if i == 0 else f"{service}-{i}"
 
 
 def awaited(edge_ok: bool, cluster: dict | None, own: list[str], expected: int) -> list[str]:
@@ -331,12 +365,15 @@ def run_up(opts: MeshOptions, state_file: Path | None = None) -> int:
     try:
         mesh.start()
         scrape = mesh.scrape_urls()
-        state = {"url": mesh.url, "metrics_url": mesh.metrics_url, "pids": mesh.pids(),
-                 "log_dir": str(mesh.log_dir), "nats_url": mesh.nats_url,
+        state = {"url": mesh.url, "edge_urls": mesh.edge_urls, "metrics_url": mesh.metrics_url,
+                 "pids": mesh.pids(), "log_dir": str(mesh.log_dir), "nats_url": mesh.nats_url,
                  "redis_url": mesh.redis_url, "scrape_urls": scrape}
         if state_file is not None:
             state_file.write_text(json.dumps(state, indent=2))
         print(f"prefixmesh is up: {mesh.url}  (OpenAI base URL {mesh.url}/v1)", flush=True)
+        if len(mesh.edge_urls) > 1:
+            print("edges: " + "  ".join(mesh.edge_urls), flush=True)
+        print(f"nats: {mesh.nats_url}", flush=True)
         print(f"dashboard: {mesh.metrics_url}/   logs: {mesh.log_dir}", flush=True)
         # Every service serves its own Prometheus metrics (the scheduler's decisions and
         # latency, each worker's steps...): all of them, for a scrape config.

@@ -24,7 +24,9 @@ _FIXED = {
     "load_all": "load.*",  # every worker's load reports
     "done": "done",  # completion records (RequestDoneEvent), one per request
     "batch_progress": "batch.progress",  # offline batches' progress
-    "sched_stats": "sched.stats",  # the active scheduler's summary (decisions, hot prefixes)
+    "sched_stats": "sched.stats",  # a scheduler's summary (decisions, hot prefixes)
+    # every scheduler replica's routing decisions (RoutingDecisionsEvent), to all replicas
+    "sched_decisions": "sched.decisions",
 }
 
 
@@ -43,6 +45,7 @@ class Subjects:
     done: str = field(init=False)
     batch_progress: str = field(init=False)
     sched_stats: str = field(init=False)
+    sched_decisions: str = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in " *>\t\r\n"):

@@ -411,8 +411,36 @@ class SchedulerStatsEvent(_Msg):
     replicas_dropped: int = 0
 
 
+class RoutedRequest(msgspec.Struct, omit_defaults=True, array_like=True):
+    """One routing decision, as much of the request as a peer needs to charge it."""
+
+    request_id: str
+    worker_id: str
+    # The prompt's block hashes: the peer records the prefix on the worker's tree path.
+    block_hashes: list[int]
+    prompt_tokens: int
+    max_tokens: int = 0
+    # The edge's predicted output tokens (0: none; the peer uses its window average).
+    predicted_output: float = 0.0
+    tenant: str = ""
+    # The decision's kind ("exploit", "pd_balance", ...) and the prompt tokens the deciding
+    # replica believed cached on the worker (the prefill it charged is prompt - this).
+    kind: str = ""
+    matched_tokens: int = 0
+
+
+class RoutingDecisionsEvent(_Msg):
+    """What one scheduler replica routed in one turn (``sched.decisions``): every other
+    replica charges these as if it had routed them, so N replicas splitting the traffic
+    each still see the whole in-flight load."""
+
+    scheduler_id: str
+    ts: float
+    decisions: list[RoutedRequest]
+
+
 BusEvent = (KvEventBatch | LoadReportEvent | RequestDoneEvent | BatchProgressEvent
-            | SchedulerStatsEvent)
+            | SchedulerStatsEvent | RoutingDecisionsEvent)
 
 
 # --------------------------------------------------------------------------- codecs

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.shared.runtime.servers import start_nats, start_redis
+from prefixmesh.shared.runtime.servers import start_nats, start_nats_cluster, start_redis
 from tests.helpers import REQUIRE_EXTRAS_ENV
 
 
@@ -62,6 +62,15 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc, url = start_nats(data_dir=d / "js", log_path=d / "nats.log")
     yield url
     proc.stop()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path):
+    """A 3-node nats cluster (JetStream clustered) private to one test, which may kill and
+    restart its nodes; ``.url`` lists all three."""
+    cluster = start_nats_cluster(3, data_dir=tmp_path / "js", log_dir=tmp_path)
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture(scope="session")

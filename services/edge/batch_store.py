@@ -48,19 +48,22 @@ class BatchStore:
         self.files = files
 
     @classmethod
-    async def open(cls, nc: Client, prefix: str) -> BatchStore:
-        """Bind to (creating when missing) the prefix's KV bucket and object store."""
+    async def open(cls, nc: Client, prefix: str, replicas: int = 1) -> BatchStore:
+        """Bind to (creating when missing, kept on ``replicas`` NATS nodes) the prefix's
+        KV bucket and object store."""
         js = nc.jetstream()
         name = prefix.replace("-", "_")
         bucket = f"{name}_batch"
         try:
             kv = await js.key_value(bucket)
         except NotFoundError:
-            kv = await js.create_key_value(bucket=bucket, history=1, storage=StorageType.FILE)
+            kv = await js.create_key_value(bucket=bucket, history=1, storage=StorageType.FILE,
+                                           replicas=replicas)
         try:
             obs = await js.object_store(f"{name}_batch_files")
         except NotFoundError:
-            obs = await js.create_object_store(f"{name}_batch_files", storage=StorageType.FILE)
+            obs = await js.create_object_store(f"{name}_batch_files", storage=StorageType.FILE,
+                                               replicas=replicas)
         return cls(js, bucket, kv, obs)
 
     # ------------------------------------------------------------------ files

@@ -61,6 +61,8 @@ class EdgeConfig(CommonConfig):
     batch: bool = option(True, "serve the Batch API (/v1/files, /v1/batches; needs JetStream)")
     batch_inflight_per_worker: int = option(32, "batch lines in flight per worker (requests)")
     batch_progress_interval_s: float = option(0.5, "seconds between batch progress saves")
+    batch_replicas: int = option(1, "JetStream copies of the Batch API's bucket and files "
+                                 "when this edge creates them (3 on a 3-node NATS cluster)")
     batch_profile: str = option(DEFAULT_PROFILE, "cost-model profile the batch planner "
                                 "balances workers with")
 

@@ -128,7 +128,8 @@ class EdgeService:
     async def _start_batches(self, bus: Bus, mesh: MeshClient, workers: WorkerDirectory,
                              stack: AsyncExitStack, app: web.Application) -> None:
         """Durable store, live-worker directory and runner of the Batch API."""
-        store = await BatchStore.open(bus.nc, self.cfg.subject_prefix)
+        store = await BatchStore.open(bus.nc, self.cfg.subject_prefix,
+                                          self.cfg.batch_replicas)
         self.batches = batches = BatchRunner(store, mesh, self.cfg, workers)
         # Unwinds before the bus closes: batch tasks stop while NATS is still there.
         stack.push_async_callback(batches.aclose)

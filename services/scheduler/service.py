@@ -3,6 +3,12 @@
 The policy object is pure (``prefixmesh.services.scheduler.policies``); this shell owns the bus
 subscriptions, worker liveness, KV-event sequence checking and write-behind persistence.
 Routing never waits on Redis: snapshots are written by a background task.
+
+Replicas are active-active (``replicas.py``): every replica routes from the ``sched.route``
+queue group, hears every KV event, load report and completion, and charges the others'
+decisions (``sched.decisions``). A booting replica joins the queue group only once it has
+caught up. The Redis lease only picks the one replica that runs run-once jobs (snapshot
+writes, the stats summary); routing never waits on it.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ from prefixmesh.services.scheduler.policies.base import (
     GlobalPolicy,
     NoWorkerError,
     PolicyConfig,
-    RouteInput,
+)
+from prefixmesh.services.scheduler.replicas import (
+    CatchUp,
+    apply_peer_decisions,
+    is_resync,
+    route_input,
+    routed,
 )
 from prefixmesh.services.scheduler.stats import HotPrefixWalk, build_stats
 from prefixmesh.services.scheduler.store import StateStore
@@ -44,6 +56,7 @@ from prefixmesh.shared.wire import (
     BUS_EVENT,
     PLACE_REQUEST,
     ROUTE_REQUEST,
+    AllBlocksCleared,
     ErrorInfo,
     KvEventBatch,
     LoadReportEvent,
@@ -52,6 +65,7 @@ from prefixmesh.shared.wire import (
     RouteBatchReply,
     RouteBatchRequest,
     RouteReply,
+    RoutingDecisionsEvent,
     SchedulerRequest,
     SubmitReply,
     TokenizedRequest,
@@ -74,7 +88,11 @@ DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
 KV_GAPS = Counter("prefixmesh_scheduler_kv_gaps_total", "KV event sequence gaps seen")
 RESYNCS = Counter("prefixmesh_scheduler_resyncs_total", "resync requests sent to workers")
 WORKERS = Gauge("prefixmesh_scheduler_workers", "workers eligible for routing")
-ACTIVE = Gauge("prefixmesh_scheduler_active", "1 while this instance holds the lease")
+ACTIVE = Gauge("prefixmesh_scheduler_active", "1 while this replica routes (in the queue group)")
+LEADER = Gauge("prefixmesh_scheduler_leader", "1 while this replica holds the lease (run-once "
+               "jobs: snapshots, stats)")
+PEER_DECISIONS = Counter("prefixmesh_scheduler_peer_decisions_total",
+                         "other replicas' routing decisions charged by this one")
 PERSIST_FAILURES = Counter("prefixmesh_scheduler_persist_failures_total",
                            "write-behind flushes to Redis that failed")
 PERSISTED_BYTES = Counter("prefixmesh_scheduler_persisted_bytes_total",
@@ -101,9 +119,12 @@ class SchedulerConfig(CommonConfig):
     missed_reports: int = option(3, "a worker silent for this many periods leaves routing")
     tick_interval_s: float = option(0.1, "period of background policy maintenance (seconds)")
     persist_interval_s: float = option(2.0, "period of write-behind snapshots to Redis")
-    ha: bool = option(True, "active/standby: route only while holding the Redis lease")
-    lease_ttl_s: float = option(2.0, "lease lifetime; a standby takes over this long after "
-                                "the active instance dies (seconds)")
+    lease: bool = option(True, "hold a Redis lease among the replicas for run-once jobs "
+                         "(state snapshots, the stats summary); routing never waits on it")
+    lease_ttl_s: float = option(2.0, "lease lifetime; another replica takes the run-once "
+                                "jobs over this long after the holder dies (seconds)")
+    catchup_timeout_s: float = option(5.0, "a booting replica routes once every known worker "
+                                      "has resent its cache, or after this long (seconds)")
     resync_min_interval_s: float = option(1.0, "least time between two resync requests to "
                                           "one worker (seconds)")
     stats_interval_s: float = option(1.0, "period of the summary (decision mix, hot "
@@ -126,7 +147,12 @@ class SchedulerService:
         self.cost = CostModel.load(cfg.profile)
         self.policy: GlobalPolicy = self._fresh_policy()
         self.instance_id = uuid.uuid4().hex[:12]
-        self.active = False
+        # In the routing queue group (after catch-up), and holder of the run-once lease.
+        self.routing = False
+        self.leader = False
+        self.catchup: CatchUp | None = None
+        # Whether the policy records its changes (since this replica first led).
+        self._tracking = False
         self._lease: Lease | None = None
         # The lease loop; drain() stops it first, so that a stopping instance never takes
         # back the lease it is about to release (nor, as standby, one it would not serve).
@@ -173,7 +199,7 @@ class SchedulerService:
 
     @property
     def store(self) -> StateStore:
-        """The persisted policy state; a fresh one each time this instance activates."""
+        """The persisted policy state; a fresh one each time this replica takes the lease."""
         assert self._store is not None, "scheduler used before start()"
         return self._store
 
@@ -194,10 +220,22 @@ class SchedulerService:
     # ------------------------------------------------------------------ handlers
 
     async def _route(self, req: SchedulerRequest) -> RouteReply | RouteBatchReply:
-        # A busy edge sends what it has to route in one message: decided in order.
+        # A busy edge sends what it has to route in one message: decided in order, and
+        # told to the other replicas in one message too.
+        told: list = []
         if isinstance(req, RouteBatchRequest):
-            return RouteBatchReply(replies=[self._decide(r) for r in req.requests])
-        return self._decide(req)
+            reply: RouteReply | RouteBatchReply = RouteBatchReply(
+                replies=[self._decide(r, told) for r in req.requests])
+        else:
+            reply = self._decide(req, told)
+        await self._tell_peers(told)
+        return reply
+
+    async def _tell_peers(self, told: list) -> None:
+        """Publish this turn's decisions for the other replicas (``sched.decisions``)."""
+        if told:
+            await self.bus.publish(self.bus.subjects.sched_decisions, RoutingDecisionsEvent(
+                scheduler_id=self.instance_id, ts=time.time(), decisions=told))
 
     async def _place(self, m: Msg) -> None:
         """``sched.place``: decide, then pass the request's bytes on to the chosen worker,
@@ -211,7 +249,9 @@ class SchedulerService:
             refusal = SubmitReply(request_id="", accepted=False,
                                   error=ErrorInfo(f"malformed request: {exc}", "bad_request"))
         else:
-            decision = self._decide(req)
+            told: list = []
+            decision = self._decide(req, told)
+            await self._tell_peers(told)
             worker = decision.worker_id
             if worker:
                 await self.bus.relay(
@@ -225,13 +265,10 @@ class SchedulerService:
         if m.reply:
             await m.respond(encode(refusal))
 
-    def _decide(self, req: TokenizedRequest) -> RouteReply:
+    def _decide(self, req: TokenizedRequest, told: list) -> RouteReply:
+        """Route one request; its decision is appended to ``told`` (for the peers)."""
         t0 = time.perf_counter()
-        inp = RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
-                         prompt_tokens=req.prompt_tokens or len(req.token_ids),
-                         max_tokens=req.sampling.max_tokens,
-                         tenant=req.tenant, predicted_output=req.predicted_output,
-                         exclude=frozenset(req.exclude))
+        inp = route_input(req)
         try:
             d = self.policy.route(inp, self.policy_now())
         except NoWorkerError as exc:
@@ -241,6 +278,7 @@ class SchedulerService:
             return RouteReply(request_id=req.request_id, error=ErrorInfo(
                 str(exc) or "no worker available", code="unavailable", retriable=True))
         DECISION_LATENCY.observe(time.perf_counter() - t0)
+        told.append(routed(inp, d))
         DECISIONS.labels(d.kind).inc()
         self._count(d.kind)
         return RouteReply(request_id=req.request_id, worker_id=d.worker_id, decision=d.kind,
@@ -256,6 +294,8 @@ class SchedulerService:
                 log.info("worker %s joined (%d blocks)", ev.worker_id, ev.total_blocks)
                 self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, pnow)
             self.last_seen[ev.worker_id] = now
+            if self.catchup is not None and self.catchup.worker_known(ev.worker_id):
+                await self._resync(ev.worker_id, "replica catching up", now)
             self.policy.on_load(ev, pnow)
             why = self._check_kv_tail(ev, now)
             if why:
@@ -266,6 +306,8 @@ class SchedulerService:
             await self._on_kv(ev, now)
         elif isinstance(ev, RequestDoneEvent):
             self.policy.on_done(ev, pnow)
+        elif isinstance(ev, RoutingDecisionsEvent):
+            PEER_DECISIONS.inc(apply_peer_decisions(self.policy, ev, self.instance_id, pnow))
 
     async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
         w = batch.worker_id
@@ -284,7 +326,12 @@ class SchedulerService:
             self._gaps += 1
             await self._resync(w, f"gap {last} -> {batch.seq}", now)
         elif batch.seq <= last:  # a new sequence: the worker restarted, its cache is new
+            if w in self.policy.workers and not is_resync(batch.events):
+                # What we believed it cached is gone with the old engine.
+                self.policy.on_kv_events(w, [AllBlocksCleared()], self.policy_now())
             await self._resync(w, f"restart {last} -> {batch.seq}", now)
+        if self.catchup is not None:
+            self.catchup.kv_batch(w, batch.events)
         if w in self.policy.workers:
             self.policy.on_kv_events(w, batch.events, self.policy_now())
 
@@ -324,8 +371,6 @@ class SchedulerService:
             await asyncio.sleep(self.cfg.tick_interval_s)
             now = time.monotonic()
             stalled, last = now - last > stall_s, now
-            if not self.active:
-                continue
             # Judge silence only when our own inbox is drained: a report still queued here
             # means we are behind, not that the worker is gone.
             backlog = self._load_sub is not None and self._load_sub.pending_msgs > 0
@@ -335,6 +380,8 @@ class SchedulerService:
                     log.warning("worker %s silent for %.1fs; dropped from routing", w, now - seen)
                     self.policy.remove_worker(w, self.policy_now())
                     del self.last_seen[w]
+                    if self.catchup is not None:
+                        self.catchup.worker_gone(w)
             WORKERS.set(len(self.policy.workers))
             self.policy.tick(self.policy_now())
             self._observe_policy()
@@ -354,7 +401,7 @@ class SchedulerService:
         """Publish the summary the metrics service shows (decision mix, hot prefixes)."""
         while True:
             await asyncio.sleep(self.cfg.stats_interval_s)
-            if not self.active:
+            if not self.leader:
                 continue
             tree = self.policy.summary().tree
             hot = None
@@ -374,7 +421,9 @@ class SchedulerService:
         failing = False
         while True:
             await asyncio.sleep(self.cfg.persist_interval_s)
-            if not self.active:
+            if not self.leader:
+                if self._tracking:  # only the lease holder writes: drop what it would
+                    self.policy.state.take_changes()
                 continue
             try:
                 stats = await self.store.flush(self.policy)
@@ -391,6 +440,8 @@ class SchedulerService:
             PERSISTED_BYTES.inc(stats.bytes)
 
     async def _restore(self) -> None:
+        """Start from the latest snapshot in Redis (empty when there is none)."""
+        self.policy = self._fresh_policy()
         try:
             found = await self.store.load(self.policy)
         except Exception as exc:
@@ -404,45 +455,63 @@ class SchedulerService:
             log.info("restored scheduler state from redis (%d workers, %d tree nodes)",
                      len(self.last_seen), len(self.policy.summary().tree or ()))
 
-    async def _activate(self) -> None:
-        """Become the routing instance: load state, then subscribe."""
+    async def _catch_up(self) -> None:
+        """Hear the cluster until ``CatchUp`` says we may route: every known worker is
+        asked to resend its whole cache (the snapshot may be old), new ones as they
+        report. Subscribed to the event subjects already."""
+        cfg = self.cfg
+        now = time.monotonic()
+        self.catchup = catchup = CatchUp(now, cfg.load_interval_s * cfg.missed_reports,
+                                         cfg.catchup_timeout_s)
+        for w in list(self.policy.workers):
+            if catchup.worker_known(w):
+                await self._resync(w, "replica catching up", now)
+        while not catchup.check(time.monotonic()):
+            await asyncio.sleep(min(cfg.load_interval_s, cfg.tick_interval_s))
+        missing = sorted(catchup.pending)
+        log.info("scheduler %s caught up (%s: %d workers synced%s)", self.instance_id,
+                 catchup.how, len(catchup.synced), f", still waiting on {missing}" * bool(missing))
+        self.catchup = None
+
+    async def _join(self) -> None:
+        """Route from now on: join the queue group of ``sched.route`` / ``sched.place``."""
         bus = self.bus
-        self.policy = self._fresh_policy()
-        self.last_seen, self.kv_seq, self._kv_behind, self._resync_at = {}, {}, {}, {}
-        self._replicas_seen = (0, 0)
-        self._store = StateStore(self.redis, self.state_key, clock=self.policy_now)
-        await self._restore()
-        self.policy.state.track_changes()
-        for subject in (bus.subjects.load_all, bus.subjects.kv_all, bus.subjects.done):
-            self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
-        self._load_sub = self._subs[0]
         self._subs.append(await bus.serve(
             bus.subjects.route, ROUTE_REQUEST, self._route,
             lambda why: RouteReply(request_id="", error=ErrorInfo(why, "bad_request")),
             queue=SCHEDULER_GROUP))
         self._subs.append(await bus.subscribe_raw(bus.subjects.place, self._place,
                                                   queue=SCHEDULER_GROUP))
-        self.active = True
+        self.routing = True
         ACTIVE.set(1)
-        log.info("scheduler %s is active (policy %s)", self.instance_id, self.cfg.policy)
+        log.info("scheduler %s routes (policy %s)", self.instance_id, self.cfg.policy)
 
-    async def _deactivate(self) -> None:
-        await self.stop_intake()
-        self.active = False
-        ACTIVE.set(0)
-        log.warning("scheduler %s lost the lease; standing by", self.instance_id)
+    def _lead(self, leading: bool) -> None:
+        """Take up (or give up) the run-once jobs: snapshot writes and the stats summary."""
+        if leading == self.leader:
+            return
+        if leading:
+            # A fresh store writes the whole state first; changes are tracked from here.
+            self._store = StateStore(self.redis, self.state_key, clock=self.policy_now)
+            self.policy.state.track_changes()
+            self._tracking = True
+            log.info("scheduler %s holds the lease (snapshots, stats)", self.instance_id)
+        else:
+            log.warning("scheduler %s lost the lease; routing goes on", self.instance_id)
+        self.leader = leading
+        LEADER.set(int(leading))
 
     async def _lease_loop(self) -> None:
-        """Hold the lease while active; as standby, take it over when it lapses."""
+        """Hold the lease, or take it over when it lapses; routing never waits on this."""
         period = self.cfg.lease_ttl_s / 3
         # Stopped by a flag, not by cancelling: a cancel that lands inside a redis-py call
         # can be swallowed there, and the loop would go on renewing after drain().
         while not self._lease_stop.is_set():
-            if self.active:
+            if self.leader:
                 if await self.lease.renew() is LeaseState.LOST:
-                    await self._deactivate()
+                    self._lead(False)
             elif await self.lease.try_acquire() is LeaseState.HELD:
-                await self._activate()
+                self._lead(True)
             try:
                 await asyncio.wait_for(self._lease_stop.wait(), period)
             except TimeoutError:
@@ -466,28 +535,32 @@ class SchedulerService:
         for change in ("added", "dropped"):
             REPLICAS.labels(change)
         tasks = await stack.enter_async_context(TaskSet(on_crash=lambda _e: stop.set()))
-        if not self.cfg.ha:
-            await self._activate()
-        else:
-            state = await self.lease.try_acquire()
-            if state is LeaseState.HELD:
-                await self._activate()
-            elif state is LeaseState.UNKNOWN:
-                # Redis is down at start: nobody can coordinate, so serve (availability).
-                log.warning("redis unreachable at start; routing without a lease")
-                await self._activate()
-            else:
-                log.info("scheduler %s standing by (lease held elsewhere)", self.instance_id)
-            self._lease_task = tasks.spawn(self._lease_loop(), "scheduler-lease")
+        await self._restore()
+        # Every replica hears every event (plain subscriptions, not a queue group).
+        for subject in (bus.subjects.load_all, bus.subjects.kv_all, bus.subjects.done,
+                        bus.subjects.sched_decisions):
+            self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
+        self._load_sub = self._subs[0]
         tasks.spawn(self._tick_loop(), "scheduler-tick")
         tasks.spawn(self._persist_loop(), "scheduler-persist")
         tasks.spawn(self._stats_loop(), "scheduler-stats")
+        if not self.cfg.lease:
+            self._lead(True)
+        else:
+            state = await self.lease.try_acquire()
+            # Redis down at start: nobody can coordinate; snapshots wait for the lease loop.
+            self._lead(state is LeaseState.HELD)
+            self._lease_task = tasks.spawn(self._lease_loop(), "scheduler-lease")
+        await self._catch_up()
+        await self._join()
 
     async def stop_intake(self) -> None:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
         self._load_sub = None
+        self.routing = False
+        ACTIVE.set(0)
 
     async def drain(self) -> None:
         if self._lease_task is not None:
@@ -498,11 +571,11 @@ class SchedulerService:
             if not done:
                 self._lease_task.cancel()
                 await asyncio.gather(self._lease_task, return_exceptions=True)
-        if not self.active:
+        if not self.leader:
             return
         try:
             await self.store.flush(self.policy)
         except Exception as exc:
             log.warning("final persist failed: %s", exc)
-        if self.cfg.ha:
+        if self.cfg.lease:
             await self.lease.release()

@@ -168,6 +168,66 @@ def start_nats(port: int | None = None, data_dir: Path | None = None,
     return proc, f"nats://127.0.0.1:{port}"
 
 
+@dataclass
+class NatsCluster:
+    """nats-servers on 127.0.0.1 routed to each other, JetStream clustered (streams with
+    ``replicas`` up to the size are kept on that many nodes). A client connects with
+    ``url``, every node's URL comma-separated, and fails over between them."""
+
+    nodes: list[ManagedProcess]
+    ports: list[int]
+    # Each node's HTTP monitoring port (``/healthz``: JetStream ready).
+    monitor_ports: list[int]
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"nats://127.0.0.1:{p}" for p in self.ports)
+
+    def wait_ready(self, i: int, timeout: float = READY_TIMEOUT_S) -> None:
+        """Block until node ``i`` accepts clients and its JetStream answers healthy."""
+        wait_port("127.0.0.1", self.ports[i], self.nodes[i], timeout)
+        deadline = time.monotonic() + timeout
+        health = f"http://127.0.0.1:{self.monitor_ports[i]}/healthz"
+        while (get_json(health) or {}).get("status") != "ok":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.nodes[i].name}: JetStream not ready in {timeout}s")
+            time.sleep(0.1)
+
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again (after a kill) on its ports and data, and wait for it."""
+        self.nodes[i].start()
+        self.wait_ready(i)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_nats_cluster(size: int = 3, data_dir: Path | None = None,
+                       log_dir: Path | None = None) -> NatsCluster:
+    """Start ``size`` clustered nats-servers (full mesh of routes, JetStream on)."""
+    ports, routes, monitors = ([free_port() for _ in range(size)] for _ in range(3))
+    route_urls = ",".join(f"nats-route://127.0.0.1:{p}" for p in routes)
+    nodes = []
+    for i in range(size):
+        argv = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(ports[i]), "-js",
+                "-m", str(monitors[i]), "--server_name", f"n{i}",
+                "--cluster_name", "prefixmesh", "--cluster", f"nats://127.0.0.1:{routes[i]}",
+                "--routes", route_urls]
+        if data_dir is not None:
+            argv += ["-sd", str(data_dir / f"n{i}")]
+        log_path = log_dir / f"nats-server-{i}.log" if log_dir is not None else None
+        nodes.append(ManagedProcess(f"nats-server-{i}", argv, log_path=log_path).start())
+    cluster = NatsCluster(nodes, ports, monitors)
+    try:
+        for i in range(size):
+            cluster.wait_ready(i, READY_TIMEOUT_S * 3)  # JetStream elects a meta leader first
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
 def start_redis(port: int | None = None, data_dir: Path | None = None,
                 log_path: Path | None = None) -> tuple[ManagedProcess, str]:
     """Start redis-server on 127.0.0.1 without persistence; returns (process, url)."""

@@ -71,6 +71,7 @@ def test_up_starts_own_servers_and_leaves_nothing_running(tmp_path, sig) -> None
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        proc.stdout.close()  # else a failure here leaks it into the next test's warnings
 
 
 def test_children_do_not_outlive_a_killed_supervisor(tmp_path) -> None:

@@ -1,6 +1,6 @@
 """deploy/k8s: every manifest validates against the Kubernetes OpenAPI schemas (offline,
 ``kubernetes-validate``, strict: unknown fields fail), and the topology the operations
-guide promises holds: a 3-node NATS cluster, Redis with a replica, an active/standby
+guide promises holds: a 3-node NATS cluster, Redis with a replica, active-active
 scheduler, scaled edge and tokenizer Deployments, one GPU worker per GPU node, probes and
 resource requests on every container."""
 
@@ -114,12 +114,21 @@ def test_redis_has_a_persistent_replica() -> None:
     assert env["PM_NATS_URL"] == "nats://nats:4222"
 
 
-def test_scheduler_is_active_standby() -> None:
+def test_scheduler_is_active_active_and_scales_on_decisions() -> None:
     sched = _by_kind("Deployment")["scheduler"]
-    assert sched["spec"]["replicas"] == 2
+    assert sched["spec"]["replicas"] >= 2
     env = {e["name"]: e.get("value") for e in _containers(sched)[0]["env"]}
-    assert env["PM_HA"] == "true"
+    assert env["PM_LEASE"] == "true"  # the lease picks the snapshot writer, not the router
+    assert "PM_HA" not in env
+    # A rolling update adds a pod before removing one: routing capacity never drops.
+    assert sched["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     assert _by_kind("PodDisruptionBudget")["scheduler"]["spec"]["minAvailable"] == 1
+    hpa = _by_kind("HorizontalPodAutoscaler")["scheduler"]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "scheduler"
+    assert hpa["maxReplicas"] > hpa["minReplicas"] >= 2
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "prefixmesh_scheduler_decisions_per_second"
 
 
 @pytest.mark.parametrize("name", ["edge", "tokenizer"])

@@ -159,3 +159,20 @@ async def test_silent_worker_is_dropped_and_re_added_when_it_reports_again(bus, 
         never.set()
         tb.cancel()
         await asyncio.gather(ta, tb, return_exceptions=True)
+
+
+async def test_an_engine_restart_drops_its_stale_blocks_at_once(bus, sched):
+    """A sequence that starts again is a new engine: what the old one cached is gone, even
+    before the resync it is asked for comes back (that worker never answers here)."""
+    await report(bus, "r")
+    await eventually(lambda: "r" in sched.policy.workers)
+    await kv(bus, "r", 1, [stored(DOC)])
+    await kv(bus, "r", 2, [])
+    await eventually(lambda: sched.kv_seq.get("r") == 2)
+    assert (await route(bus, "x0", DOC + [3] * 16)).decision == "exploit"
+    await kv(bus, "r", 1, [])  # restarted: its first batch, nothing about DOC
+    await eventually(lambda: sched.kv_seq.get("r") == 1)
+    node, _ = sched.policy.tree.match(block_hashes(DOC))
+    assert "r" not in node.workers
+    r = await route(bus, "x1", DOC + [4] * 16)
+    assert r.matched_tokens == 0

@@ -1,4 +1,5 @@
-"""Scheduler failover and Redis outages, with real processes, NATS and Redis."""
+"""Active-active scheduler replicas (routing together, a killed one, catch-up at boot) and
+Redis outages, with real processes, NATS and Redis."""
 
 from __future__ import annotations
 
@@ -24,10 +25,17 @@ from prefixmesh.shared.runtime.servers import (
     free_port,
     start_redis,
 )
-from prefixmesh.shared.wire import ROUTE_REPLY, SamplingParams, TokenizedRequest
+from prefixmesh.shared.wire import (
+    ROUTE_REPLY,
+    AllBlocksCleared,
+    BlockStored,
+    KvEventBatch,
+    LoadReportEvent,
+    SamplingParams,
+    TokenizedRequest,
+)
 from tests.helpers import (
     FAST_LOAD_INTERVAL_S,
-    default_cost,
     eventually,
     eventually_async,
     running,
@@ -67,37 +75,20 @@ async def _route_retrying(bus: Bus, rid: str, tokens: list[int], patience_s: flo
         await asyncio.sleep(0.05)
 
 
-async def _persisted(client: aioredis.Redis, prefix: str, docs: dict[str, list[int]],
-                     owners: dict[str, str]) -> bool:
-    """Whether the e2 state in Redis (what a standby restores) has every doc on its owner."""
-    policy = make_policy("e2", PolicyConfig(), default_cost())
-    if not await StateStore(client, f"{prefix}:sched:e2").load(policy):
-        return False
-    for name, doc in docs.items():
-        node, matched = policy.tree.match(block_hashes(doc))
-        if matched < len(doc) // BLOCK_SIZE or owners[name] not in node.workers:
-            return False
-    return True
-
-
-async def test_standby_takes_over_from_a_killed_active_and_keeps_affinity(
+async def test_replicas_route_together_and_a_killed_one_loses_no_request(
         bus, nats_server, redis_server, prefix, tmp_path):
     docs = {f"doc{i}": list(range(10_000 * (i + 1), 10_000 * (i + 1) + 1600)) for i in range(4)}
-    active = _scheduler_process(nats_server, redis_server, prefix, tmp_path / "a.log")
-    standby = None
-    client = aioredis.from_url(redis_server)
+    logs = [tmp_path / f"s{i}.log" for i in range(2)]
+    replicas = [_scheduler_process(nats_server, redis_server, prefix, log) for log in logs]
     try:
         async with running(_worker(nats_server, prefix, "a")), \
                 running(_worker(nats_server, prefix, "b")):
+            # Both replicas route (each joined the queue group once caught up).
+            await eventually(lambda: all("routes (policy" in log.read_text() for log in logs),
+                             timeout=30)
             owners = {}
             for name, doc in docs.items():
                 owners[name] = (await _route_retrying(bus, name, doc)).worker_id
-            standby = _scheduler_process(nats_server, redis_server, prefix, tmp_path / "b.log")
-            # The standby is up and waiting on the lease; what it will restore has every doc.
-            await eventually(lambda: "standing by" in (tmp_path / "b.log").read_text(),
-                             timeout=30)
-            await eventually_async(lambda: _persisted(client, prefix, docs, owners))
-
             results: list = []
 
             async def stream() -> None:
@@ -108,21 +99,98 @@ async def test_standby_takes_over_from_a_killed_active_and_keeps_affinity(
                     await asyncio.sleep(0.05)
 
             streamer = asyncio.create_task(stream())
-            await eventually(lambda: len(results) >= 4)  # the active routes the stream
+            await eventually(lambda: len(results) >= 4)
             killed_after = len(results)
-            active.signal(signal.SIGKILL)
+            replicas[0].signal(signal.SIGKILL)
             await streamer
             assert len(results) == 60  # none lost: every request got a worker
             after = results[killed_after + 1:]  # (one may have been answered as it died)
             assert after, "no request was routed after the kill"
-            # The standby restored the tree: known prefixes still go to their workers.
-            late = after[-8:]
-            assert all(r.worker_id == owners[n] and r.decision == "exploit" for n, r in late)
+            # The survivor charged the dead one's decisions all along: its tree sends the
+            # known prefixes to their workers (every decision of either replica went there).
+            assert all(r.worker_id == owners[n] for n, r in after[-8:])
     finally:
-        active.stop()
-        if standby is not None:
-            standby.stop()
-        await client.aclose()
+        for p in replicas:
+            p.stop()
+
+
+def _replica(nats_server: str, redis_url: str, prefix: str, **kw) -> SchedulerService:
+    return SchedulerService(SchedulerConfig(
+        nats_url=nats_server, redis_url=redis_url, subject_prefix=prefix, redis_prefix=prefix,
+        load_interval_s=FAST_LOAD_INTERVAL_S, persist_interval_s=0.1, **kw))
+
+
+async def test_three_replicas_each_charge_every_decision(bus, nats_server, redis_server, prefix):
+    """Requests split over three replicas by the queue group; each replica's load window
+    holds all of them (the others' decisions too), not a third."""
+    replicas = [_replica(nats_server, redis_server, prefix) for _ in range(3)]
+    async with running(_worker(nats_server, prefix, "a")), \
+            running(_worker(nats_server, prefix, "b")), \
+            running(replicas[0]), running(replicas[1]), running(replicas[2]):
+        await eventually(lambda: all(set(r.policy.workers) == {"a", "b"} for r in replicas))
+        n = 90
+        replies = await asyncio.gather(*(_route_retrying(
+            bus, f"r{i}", [i % 7] * 48 + [i] * 32) for i in range(n)))
+        assert all(r.worker_id in ("a", "b") for r in replies)
+        made = [sum(r.decisions.values()) for r in replicas]
+        assert sum(made) == n and all(m > 0 for m in made), made  # all three routed
+        ids = {f"r{i}" for i in range(n)}
+        # Every replica charged all n requests: its own and the two others' decisions.
+        await eventually(lambda: all(
+            {e.rid for e in r.policy.window.entries} == ids for r in replicas))
+        # So a decision made by one raised every replica's load of that worker alike.
+        for w in ("a", "b"):
+            loads = [r.policy.worker_state(w).L for r in replicas]
+            assert max(loads) - min(loads) < 1e-6 * max(max(loads), 1.0), loads
+
+
+async def test_a_booting_replica_routes_only_once_caught_up(bus, nats_server, redis_server,
+                                                           prefix):
+    """The replica starts with nothing (no snapshot): it must not route until the worker
+    has resent its cache, which it delays here."""
+    doc = list(range(500, 500 + 32 * BLOCK_SIZE))
+    answer = asyncio.Event()
+
+    async def on_resync(_m) -> None:
+        await answer.wait()
+        cache = BlockStored(block_hashes=block_hashes(doc), parent_block_hash=None,
+                            token_ids=[], block_size=BLOCK_SIZE)
+        await bus.publish(bus.subjects.kv("w"), KvEventBatch(
+            worker_id="w", seq=1, ts=time.time(), events=[AllBlocksCleared(), cache]))
+
+    async def reports() -> None:
+        while True:
+            await bus.publish(bus.subjects.load("w"), LoadReportEvent(
+                worker_id="w", ts=time.time(), total_blocks=10_000, free_blocks=10_000))
+            await asyncio.sleep(FAST_LOAD_INTERVAL_S)
+
+    await bus.subscribe_raw(bus.subjects.worker_resync("w"), on_resync)
+    sched = _replica(nats_server, redis_server, prefix, catchup_timeout_s=30.0)
+    finish = asyncio.Event()
+
+    async def serve() -> None:
+        async with running(sched):
+            await finish.wait()
+
+    reporter = asyncio.create_task(reports())
+    server = asyncio.create_task(serve())
+    try:
+        await eventually(lambda: "w" in sched.policy.workers)
+        await asyncio.sleep(0.3)  # several report periods: it knows the worker, not its cache
+        assert not sched.routing
+        with pytest.raises(BusUnavailable):  # nobody in the queue group yet
+            await bus.request(bus.subjects.route, TokenizedRequest(
+                request_id="early", token_ids=doc, block_hashes=block_hashes(doc),
+                sampling=SamplingParams(max_tokens=4)), ROUTE_REPLY, 0.3)
+        answer.set()
+        await eventually(lambda: sched.routing)
+        # It joined after the resync: the worker's cache is in its tree from the first route.
+        r = await _route_retrying(bus, "r0", doc + [1] * 16, patience_s=2)
+        assert (r.worker_id, r.decision) == ("w", "exploit")
+    finally:
+        finish.set()
+        await server
+        reporter.cancel()
 
 
 async def test_routing_survives_redis_going_down_and_persists_again_after(
@@ -145,7 +213,7 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
                     request_id=f"down{i}", token_ids=[i] * 64, block_hashes=block_hashes([i] * 64),
                     sampling=SamplingParams(max_tokens=4)), ROUTE_REPLY, 2)
                 assert r.worker_id == "a"
-            assert sched.active
+            assert sched.routing
             redis_proc, redis_url = await asyncio.to_thread(
                 start_redis, port=port, data_dir=tmp_path)
             client = aioredis.from_url(redis_url)
@@ -163,7 +231,7 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
                 for i in (0, 19):
                     node, m = restored.tree.match(block_hashes([i] * 64))
                     assert m == 4 and "a" in node.workers
-                # The lease is re-taken too, so a standby would not also become active.
+                # The lease is re-taken too, so another replica would not also write snapshots.
                 async def lease_held() -> bool:
                     return await client.get(sched.lease_key) == sched.instance_id.encode()
 
@@ -176,8 +244,8 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
 
 async def test_a_draining_scheduler_does_not_take_its_lease_back(nats_server, redis_server,
                                                                   prefix):
-    """drain() releases the lease for the standby; the lease loop must not re-take it in the
-    moments before the process exits (it would keep the standby waiting a whole TTL)."""
+    """drain() releases the lease for another replica; the lease loop must not re-take it in the
+    moments before the process exits (it would keep the others waiting a whole TTL)."""
     cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
                           redis_prefix=prefix, load_interval_s=FAST_LOAD_INTERVAL_S,
                           persist_interval_s=0.1, lease_ttl_s=0.6)

@@ -1,0 +1,111 @@
+"""Active-active scheduler replicas: what one replica tells the others, and when a booting
+replica may route (pure: no I/O, no clock; the service passes times in).
+
+Every replica receives every KV event, load report and completion record, so each keeps
+the whole prefix tree by itself. What only the deciding replica knows is its routing
+decisions: it publishes them (``RoutingDecisionsEvent``) and every other replica charges
+them with ``GlobalPolicy.apply_decision``, so N replicas splitting the traffic each still
+see the whole in-flight load instead of 1/N of it.
+
+A booting replica starts from the Redis snapshot, then asks every worker for a resync
+(``AllBlocksCleared`` + ``BlockStored``...). ``CatchUp`` says when it has heard enough to
+route: every worker it knows has resent its cache since, or a timeout passed. Until then
+it stays out of the routing queue group, so it never routes from an empty tree.
+"""
+
+from __future__ import annotations
+
+from prefixmesh.services.scheduler.policies.base import Decision, GlobalPolicy, RouteInput
+from prefixmesh.shared.wire import (
+    AllBlocksCleared,
+    KvEvent,
+    RoutedRequest,
+    RoutingDecisionsEvent,
+    TokenizedRequest,
+)
+
+
+def route_input(req: TokenizedRequest) -> RouteInput:
+    """What the policy needs of an edge's request."""
+    return RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
+                      prompt_tokens=req.prompt_tokens or len(req.token_ids),
+                      max_tokens=req.sampling.max_tokens, tenant=req.tenant,
+                      predicted_output=req.predicted_output, exclude=frozenset(req.exclude))
+
+
+def routed(inp: RouteInput, d: Decision) -> RoutedRequest:
+    """The record of one decision, for the other replicas."""
+    return RoutedRequest(request_id=inp.request_id, worker_id=d.worker_id,
+                         block_hashes=inp.block_hashes, prompt_tokens=inp.prompt_tokens,
+                         max_tokens=inp.max_tokens, predicted_output=inp.predicted_output,
+                         tenant=inp.tenant, kind=d.kind, matched_tokens=d.matched_tokens)
+
+
+def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id: str,
+                         now: float) -> int:
+    """Charge a peer's decisions to ``policy`` (our own echo is skipped); returns how
+    many were applied."""
+    if ev.scheduler_id == own_id:
+        return 0
+    for d in ev.decisions:
+        policy.apply_remote_decision(
+            RouteInput(request_id=d.request_id, block_hashes=d.block_hashes,
+                       prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
+                       tenant=d.tenant, predicted_output=d.predicted_output),
+            Decision(d.worker_id, d.kind, d.matched_tokens), now)
+    return len(ev.decisions)
+
+
+def is_resync(events: list[KvEvent]) -> bool:
+    """Whether a KV batch is a whole cache state (a resync, or an engine that restarted
+    empty): it starts with ``AllBlocksCleared``."""
+    return bool(events) and isinstance(events[0], AllBlocksCleared)
+
+
+class CatchUp:
+    """Whether a booting replica knows the cluster well enough to route.
+
+    Caught up when at least ``min_wait_s`` passed (every live worker has sent a load
+    report, so the replica knows them all) and every known worker has resent its whole
+    cache since ``start``; or, whatever is missing, after ``timeout_s`` (a worker that
+    never answers is dropped by liveness like any silent one).
+    """
+
+    def __init__(self, start: float, min_wait_s: float, timeout_s: float) -> None:
+        self.start = start
+        self.min_wait_s = min_wait_s
+        self.timeout_s = timeout_s
+        # Known workers whose full cache has not arrived yet, and those whose has.
+        self.pending: set[str] = set()
+        self.synced: set[str] = set()
+        self.done = False
+        # Why it finished: "synced" or "timeout" ("" while catching up).
+        self.how = ""
+
+    def worker_known(self, worker: str) -> bool:
+        """A worker was seen (snapshot or load report); True when it must be asked for a
+        resync (first time seen while catching up)."""
+        if self.done or worker in self.synced or worker in self.pending:
+            return False
+        self.pending.add(worker)
+        return True
+
+    def kv_batch(self, worker: str, events: list[KvEvent]) -> None:
+        """A KV batch arrived: a whole cache state brings ``worker`` up to date."""
+        if not self.done and is_resync(events):
+            self.pending.discard(worker)
+            self.synced.add(worker)
+
+    def worker_gone(self, worker: str) -> None:
+        """A worker left (silent): nothing more to wait for from it."""
+        self.pending.discard(worker)
+
+    def check(self, now: float) -> bool:
+        """Whether the replica may route from now on (stays True once it is)."""
+        if not self.done:
+            waited = now - self.start
+            if waited >= self.timeout_s:
+                self.done, self.how = True, "timeout"
+            elif waited >= self.min_wait_s and not self.pending:
+                self.done, self.how = True, "synced"
+        return self.done

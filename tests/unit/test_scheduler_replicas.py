@@ -1,0 +1,128 @@
+"""Active-active replicas, pure part: a peer's decisions charged as one's own, and when a
+booting replica may route (services/scheduler/replicas.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
+from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
+from prefixmesh.services.scheduler.replicas import CatchUp, apply_peer_decisions, routed
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.shared.wire import AllBlocksCleared, BlockStored, RoutingDecisionsEvent
+from tests.helpers import default_cost
+
+WORKERS = ("a", "b", "c")
+
+
+def _policies(name: str, n: int):
+    out = []
+    for _ in range(n):
+        p = make_policy(name, PolicyConfig(), default_cost())
+        for w in WORKERS:
+            p.add_worker(w, 0, 0.0)
+        out.append(p)
+    return out
+
+
+def _req(i: int) -> RouteInput:
+    tokens = [1000 * (i % 5) + t for t in range(8 * BLOCK_SIZE)] + [i] * BLOCK_SIZE
+    return RouteInput(request_id=f"r{i}", block_hashes=block_hashes(tokens),
+                      prompt_tokens=len(tokens), max_tokens=32)
+
+
+def _route_split(replicas, n: int, share: bool) -> list[str]:
+    """Route ``n`` requests round-robin over the replicas (as a queue group does); with
+    ``share`` each decision is told to the others. Returns the chosen workers."""
+    chosen = []
+    for i in range(n):
+        now = 0.01 * (i + 1)
+        me = replicas[i % len(replicas)]
+        inp = _req(i)
+        d = me.route(inp, now)
+        chosen.append(d.worker_id)
+        if share:
+            ev = RoutingDecisionsEvent(scheduler_id=str(i % len(replicas)), ts=now,
+                                       decisions=[routed(inp, d)])
+            for j, peer in enumerate(replicas):
+                assert apply_peer_decisions(peer, ev, str(j), now) == (0 if peer is me else 1)
+    return chosen
+
+
+def test_e2_replicas_that_share_decisions_keep_one_schedulers_load():
+    one = _policies("e2", 1)
+    three = _policies("e2", 3)
+    _route_split(one, 60, share=True)
+    _route_split(three, 60, share=True)
+    for w in WORKERS:
+        loads = [p.worker_state(w).L for p in three]
+        # Every replica charged all 60 decisions: its L is the single scheduler's.
+        assert loads == pytest.approx([one[0].worker_state(w).L] * 3)
+    assert all(len(p.window.entries) == 60 for p in three)
+
+
+def test_e2_replicas_that_do_not_share_see_a_third_of_the_load():
+    """The failure sharing prevents: each replica's L counts only what it routed."""
+    three = _policies("e2", 3)
+    _route_split(three, 60, share=False)
+    assert all(len(p.window.entries) == 20 for p in three)
+
+
+def test_a_peer_decision_records_the_prefix_in_the_tree():
+    a, b = _policies("e2", 2)
+    inp = _req(0)
+    d = a.route(inp, 1.0)
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0,
+                                                  decisions=[routed(inp, d)]), "B", 1.0)
+    node, m = b.tree.match(inp.block_hashes)
+    assert m == len(inp.block_hashes) and d.worker_id in node.workers
+    # b routes the next request of that prefix to the same worker, as a would.
+    follow = RouteInput(request_id="r1", block_hashes=inp.block_hashes + [7],
+                        prompt_tokens=inp.prompt_tokens + BLOCK_SIZE, max_tokens=32)
+    assert b.route(follow, 1.1).worker_id == d.worker_id
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "e2"])
+def test_baselines_count_peer_decisions_as_outstanding(name):
+    a, b = _policies(name, 2)
+    inp = _req(3)
+    d = a.route(inp, 1.0)
+    w = d.worker_id
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0,
+                                                  decisions=[routed(inp, d)]), "B", 1.0)
+    assert b.out.count[w] == 1 and b.out.reqs["r3"].worker == w
+    # A peer's decision for a worker this replica does not know changes nothing.
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0, decisions=[
+        routed(_req(4), Decision("gone", name))]), "B", 1.0)
+    assert "r4" not in b.out.reqs
+
+
+def test_catch_up_waits_for_every_known_worker_to_resend_its_cache():
+    c = CatchUp(start=0.0, min_wait_s=0.5, timeout_s=5.0)
+    assert c.worker_known("a") and c.worker_known("b")
+    assert not c.worker_known("a")  # asked once
+    stored = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[], block_size=16)
+    c.kv_batch("a", [AllBlocksCleared(), stored])
+    c.kv_batch("b", [stored])  # an ordinary batch is not the whole cache
+    assert not c.check(1.0)
+    c.kv_batch("b", [AllBlocksCleared()])  # b's cache is empty: still a whole state
+    assert not c.check(0.4)  # too early: a live worker may not have reported yet
+    assert c.check(0.6) and c.how == "synced"
+    assert not c.worker_known("z")  # caught up: new workers are ordinary joins
+
+
+def test_catch_up_gives_up_on_a_silent_worker_at_the_timeout_or_when_it_leaves():
+    c = CatchUp(start=0.0, min_wait_s=0.5, timeout_s=5.0)
+    c.worker_known("dead")
+    assert not c.check(4.9)
+    assert c.check(5.0) and c.how == "timeout"
+    c = CatchUp(start=0.0, min_wait_s=0.5, timeout_s=5.0)
+    c.worker_known("dead")
+    c.worker_gone("dead")  # liveness dropped it
+    assert c.check(0.6) and c.how == "synced"
+
+
+def test_with_no_workers_a_replica_routes_after_the_least_wait():
+    c = CatchUp(start=10.0, min_wait_s=0.5, timeout_s=5.0)
+    assert not c.check(10.2)
+    assert c.check(10.5)
