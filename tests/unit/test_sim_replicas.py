@@ -16,8 +16,9 @@ from prefixmesh.loadgen.sim_replicas import (
 )
 from prefixmesh.loadgen.sweep import main as sim_main
 from prefixmesh.services.scheduler.policies import make_policy
-from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
+from prefixmesh.services.scheduler.policies.e2_replicate import Replica
 from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.wire import RequestDoneEvent
 from tests.helpers import default_cost, e2_policy, route_input, shared_prefix_requests, toks
@@ -73,6 +74,22 @@ def test_e2_completion_corrects_a_remote_decision_and_unknown_workers_are_ignore
     b.remove_worker(d.worker_id, 1.0)
     b.apply_remote_decision(route_input("r1", toks(4, 40)), d, 1.1)  # no error, no effect
     assert d.worker_id not in b.workers
+
+
+def test_e2_remote_request_seeds_a_pending_hot_prefix_replica():
+    a, b = e2_policy(), e2_policy()
+    prefix = toks(20, 100)
+    first = route_input("r0", prefix, toks(21, 2))
+    d = a.route(first, 0.0)
+    b.apply_remote_decision(first, d, 0.0)
+    node, _ = b.tree.match(first.block_hashes)
+    target = next(w for w in b.workers if w != d.worker_id)
+    rep = Replica(0.0, 1)
+    rep.pending.append(target)
+    b.replicator.entries[node] = rep
+    seed = route_input("r1", prefix, toks(22, 2))
+    b.apply_remote_decision(seed, Decision(target, "replicate", 100 * BLOCK_SIZE), 0.1)
+    assert rep.pending == []  # b will not send its own first request there
 
 
 def test_least_load_replica_counts_remote_requests_as_outstanding():
