@@ -11,6 +11,7 @@ from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
 from prefixmesh.loadgen.sim_replicas import (
     ReplicaConfig,
     ReplicatedPolicy,
+    replica_label,
     replica_matrix,
     replica_report,
 )
@@ -179,7 +180,7 @@ def test_sim_verb_runs_every_replica_point_and_the_report_compares_them(tmp_path
     out = tmp_path / "rep.json"
     assert sim_main(["--gpus", "2", "--workload", "toolbench", "--rates", "4",
                      "--policies", "e2", "--duration", "5", "--schedulers", "1,2",
-                     "--sync-delay-ms", "0,10", "--split", "random",
+                     "--sync-delay-ms", "0,10",
                      "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["policy"] for r in runs] == ["e2", "e2@1x10ms", "e2@2x0ms", "e2@2x10ms"]
@@ -191,3 +192,17 @@ def test_sim_verb_runs_every_replica_point_and_the_report_compares_them(tmp_path
     matrix = replica_matrix(runs)
     assert "| schedulers | 0 ms | 10 ms |" in matrix
     assert "| 1 | +0.0% / +0.0% |" in matrix and matrix.count("\n| 2 | ") == 1
+
+
+def test_prefix_split_sends_a_prefix_to_one_replica_and_labels_name_the_split():
+    rp = ReplicatedPolicy("e2", PolicyConfig(), COST,
+                          ReplicaConfig(schedulers=4, sync_delay_s=0.05, split="prefix"))
+    for i in range(4):
+        rp.add_worker(f"w{i}", 0, 0.0)
+    prefix = toks(30, 40)
+    for i in range(6):
+        rp.route(route_input(f"r{i}", prefix, toks(100 + i, 2)), 0.001 * i)
+    assert sorted(rp.routed) == [0, 0, 0, 6]
+    assert replica_label("e2", ReplicaConfig(2, 0.01, "random")) == "e2@2x10ms-random"
+    assert replica_label("e2", ReplicaConfig(2, 0.01, "prefix", share_decisions=False)) == (
+        "e2@2x10ms-nodec-prefix")
