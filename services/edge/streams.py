@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from prefixmesh.shared.wire import StreamEvent
+from prefixmesh.shared.wire import RequestDoneEvent, StreamEvent
 
 
 class EventQueue:
@@ -62,4 +62,6 @@ class StreamDispatcher:
     async def on_event(self, event: StreamEvent) -> None:
         q = self._queues.get(event.request_id)
         if q is not None:  # late events of an aborted/finished request are dropped
+            if isinstance(event, RequestDoneEvent) and event.last is not None:
+                q.put_nowait(event.last)  # the last chunk, carried by the done event
             q.put_nowait(event)
