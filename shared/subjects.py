@@ -84,6 +84,12 @@ class Subjects:
     def stream_reply(self, edge_id: str, request_id: str) -> str:
         return self._per("stream", edge_id, _token(request_id))
 
+    def stream_batch(self, edge_id: str) -> str:
+        """Where a worker sends one edge the stream events of several of its requests in
+        one message (``StreamBatch``); under ``stream_inbox``, so the same subscription
+        reads it (events name their request)."""
+        return self._per("stream", edge_id, "_batch")
+
 
 def _token(part: str) -> str:
     """Validate one subject token (no dots, wildcards or whitespace)."""

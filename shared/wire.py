@@ -177,6 +177,10 @@ class TokenizedRequest(_Msg):
     # The edge reads ``RequestDoneEvent.last``: the worker may put the last chunk inside the
     # done event (False: an edge from before it, which gets every chunk on its own).
     done_carries_last: bool = False
+    # Where the worker may send this request's stream events together with those of the
+    # edge's other requests ready at the same time (``StreamBatch``); "" = each event on
+    # its own to ``reply_to``.
+    stream_batch_to: str = ""
 
 
 class RouteReply(_Msg):
@@ -305,6 +309,17 @@ class RequestDoneEvent(_Msg):
 
 
 StreamEvent = GenerateChunkEvent | RequestDoneEvent
+
+
+class StreamBatch(_Msg):
+    """Stream events of several of one edge's requests that a worker had ready at once
+    (one engine step), in order, in one message (``TokenizedRequest.stream_batch_to``):
+    one message per edge and step instead of one per event."""
+
+    events: list[StreamEvent]
+
+
+StreamMessage = StreamEvent | StreamBatch
 
 
 class RequestDoneBatch(_Msg):
@@ -480,7 +495,7 @@ ROUTE_BATCH_REPLY: _Decoder[RouteReply | RouteBatchReply] = _Decoder(RouteReply 
 PLACE_REQUEST = _Decoder(TokenizedRequest)
 WORKER_REQUEST: _Decoder[WorkerRequest] = _Decoder(WorkerRequest)
 SUBMIT_REPLY = _Decoder(SubmitReply)
-STREAM_EVENT: _Decoder[StreamEvent] = _Decoder(StreamEvent)
+STREAM_EVENT: _Decoder[StreamMessage] = _Decoder(StreamMessage)
 BUS_EVENT: _Decoder[BusEvent] = _Decoder(BusEvent)
 
 

@@ -348,6 +348,7 @@ class MeshClient:
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
                 created=time.time(), deadline=deadline, predicted_distribution=distribution,
                 exclude=list(lost), done_carries_last=True,
+                stream_batch_to=self.bus.subjects.stream_batch(self.edge_id),
             )
             queue = self.streams.open(wire_id)
             worker_id = ""

@@ -52,6 +52,7 @@ from prefixmesh.shared.wire import (
     RequestDoneEvent,
     ResumeRequest,
     ResyncRequest,
+    StreamBatch,
     SubmitReply,
     TokenizedRequest,
     TokenLogprob,
@@ -102,6 +103,8 @@ class _Live:
     journal: StreamJournal | None = None
     # The edge reads a last chunk inside the done event (TokenizedRequest.done_carries_last).
     fold_last: bool = False
+    # The edge's subject for its requests' events together (TokenizedRequest.stream_batch_to).
+    batch_to: str = ""
 
 
 def sample_key(req: TokenizedRequest) -> str:
@@ -154,9 +157,11 @@ class WorkerService:
         self._accepting = True
         # Streams of requests that ended lately, for a late ResumeRequest (replay.py).
         self.finished = FinishedJournals()
-        # Completion records not yet published on ``done`` (_done_loop sends them).
+        # Stream events (per edge subject) and completion records not yet published
+        # (_flush_loop sends them).
+        self._stream_out: dict[str, list[GenerateChunkEvent | RequestDoneEvent]] = {}
         self._done_out: list[RequestDoneEvent] = []
-        self._done_ready = asyncio.Event()
+        self._flush_ready = asyncio.Event()
 
     # ------------------------------------------------------------------ intake
 
@@ -249,7 +254,7 @@ class WorkerService:
         self.live[req.request_id] = _Live(
             req.reply_to, req.tenant, detok, sink, deadline=req.deadline,
             journal=StreamJournal(req.reply_to) if sink is None else None,
-            fold_last=req.done_carries_last)
+            fold_last=req.done_carries_last, batch_to=req.stream_batch_to)
         return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
 
     def abort(self, request_id: str) -> None:
@@ -310,10 +315,15 @@ class WorkerService:
                 live.sink.put_nowait(last)
             live.sink.put_nowait(event)
         else:  # no sink: the request came over the bus
-            bus = self._mesh()
             if last is not None and live.fold_last and isinstance(event, RequestDoneEvent):
-                event = msgspec.structs.replace(event, last=last)
-            elif last is not None:
+                event, last = msgspec.structs.replace(event, last=last), None
+            if live.batch_to:  # sent by _flush_loop, with the edge's other events
+                out = self._stream_out.setdefault(live.batch_to, [])
+                out.extend((event,) if last is None else (last, event))
+                self._flush_ready.set()
+                return
+            bus = self._mesh()
+            if last is not None:
                 await bus.publish(live.reply_to, last)
             await bus.publish(live.reply_to, event)
 
@@ -360,9 +370,9 @@ class WorkerService:
         done = done_record(self.worker_id, out.request, out.finish_reason or "length",
                            live.tenant, self.model.simulated)
         await self._deliver(live, done, chunk)
-        if self.bus is not None:  # sent by _done_loop, with the step's others
+        if self.bus is not None:  # sent by _flush_loop, with the step's others
             self._done_out.append(done)
-            self._done_ready.set()
+            self._flush_ready.set()
         FINISHED.labels(self.worker_id, done.finish_reason).inc()
         LATENCY.labels(self.worker_id).observe(done.latency_s)
         QUEUE_TIME.labels(self.worker_id).observe(done.queue_s)
@@ -371,13 +381,18 @@ class WorkerService:
         STEPS.labels(self.worker_id).inc()
         STEP_TIME.labels(self.worker_id).observe(seconds)
 
-    async def _done_loop(self, bus: Bus) -> None:
-        """Publish the completion records on ``done`` once the engine yields: those of one
-        step go in one message (the scheduler and metrics read one message a step, not
-        one a request)."""
+    async def _flush_loop(self, bus: Bus) -> None:
+        """Publish what the engine's outputs left queued once it yields, those of one step
+        together: each edge's stream events in one message (``StreamBatch``), then the
+        completion records on ``done`` in one (the edge, the scheduler and metrics read one
+        message a step, not one a request)."""
         while True:
-            await self._done_ready.wait()
-            self._done_ready.clear()
+            await self._flush_ready.wait()
+            self._flush_ready.clear()
+            streams, self._stream_out = self._stream_out, {}
+            for subject, events in streams.items():
+                await bus.publish(subject, events[0] if len(events) == 1
+                                  else StreamBatch(events=events))
             batch, self._done_out = self._done_out, []
             if batch:
                 await bus.publish(bus.subjects.done, batch[0] if len(batch) == 1
@@ -427,7 +442,7 @@ class WorkerService:
                                         error=ErrorInfo(why, "bad_request")),
                 answer_to=_ack_to))
         tasks.spawn(self._load_loop(bus), f"worker-{self.worker_id}-load")
-        tasks.spawn(self._done_loop(bus), f"worker-{self.worker_id}-done")
+        tasks.spawn(self._flush_loop(bus), f"worker-{self.worker_id}-flush")
 
     async def stop_intake(self) -> None:
         self._accepting = False
@@ -440,5 +455,5 @@ class WorkerService:
                 self._subs.remove(sub)
 
     async def drain(self) -> None:
-        while self.live or self._done_out:
+        while self.live or self._done_out or self._stream_out:
             await asyncio.sleep(DRAIN_POLL_S)

@@ -20,6 +20,7 @@ from prefixmesh.shared.wire import (
     RequestDoneEvent,
     ResyncRequest,
     SamplingParams,
+    StreamBatch,
     TokenizedRequest,
     encode,
 )
@@ -162,17 +163,34 @@ async def test_a_submit_naming_ack_to_is_acknowledged_there(harness) -> None:
     assert not relayed.items
 
 
-async def test_completion_records_are_each_published_once(harness) -> None:
-    """Records of requests that end in one step go on ``done`` together
-    (``RequestDoneBatch``); none is lost or repeated."""
+async def test_events_ready_together_are_each_published_once_and_in_order(harness) -> None:
+    """Stream events of one edge's requests that a step made go to its batch subject
+    together (``StreamBatch``), the records of requests that end in one step on ``done``
+    (``RequestDoneBatch``): each request's stream is whole and in order, and no record is
+    lost or repeated."""
     bus, worker, events, streams = harness
     rids = [f"r{i}" for i in range(6)]
     for rid in rids:  # one burst: the engine takes them into the same steps
-        await bus.publish(bus.subjects.worker_submit("w0"),
-                          _req(bus, rid, list(range(600, 620)), max_tokens=3))
+        req = _req(bus, rid, list(range(600, 620)), max_tokens=3)
+        req.stream_batch_to = bus.subjects.stream_batch("t")
+        await bus.publish(bus.subjects.worker_submit("w0"), req)
     await eventually(lambda: len(_records(events)) >= len(rids))
     await eventually(lambda: not worker.live)
     assert sorted(d.request_id for d in _records(events)) == rids
+    await eventually(lambda: len(_stream(streams, RequestDoneEvent)) >= len(rids))
+    for rid in rids:
+        own = [e for e in _stream(streams, object) if e.request_id == rid]
+        assert [type(e) for e in own] == [GenerateChunkEvent] * 3 + [RequestDoneEvent]
+        assert [e.index for e in own[:3]] == [0, 1, 2]
+    assert streams.of(StreamBatch)  # six requests in the same steps: batched
+
+
+def _stream(streams: Recorder, kind) -> list:
+    """Stream events of ``kind`` received, batched or not, in arrival order."""
+    out = []
+    for m in streams.items:
+        out.extend(m.events if isinstance(m, StreamBatch) else [m])
+    return [e for e in out if isinstance(e, kind)]
 
 
 def _records(events: Recorder) -> list[RequestDoneEvent]:
