@@ -148,6 +148,8 @@ class MeshClient:
         # Monotonic time until which ``sched.place`` is not tried (PLACE_BACKOFF_S).
         self._place_off_until = 0.0
         self.placed = 0  # requests the scheduler handed to their worker itself
+        # Where workers send this edge several of its requests' stream events at once.
+        self._stream_batch = bus.subjects.stream_batch(edge_id)
 
     async def __aenter__(self) -> MeshClient:
         if self.shortcuts.route_batch.max_batch == 1:
@@ -348,7 +350,7 @@ class MeshClient:
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
                 created=time.time(), deadline=deadline, predicted_distribution=distribution,
                 exclude=list(lost), done_carries_last=True,
-                stream_batch_to=self.bus.subjects.stream_batch(self.edge_id),
+                stream_batch_to=self._stream_batch,
             )
             queue = self.streams.open(wire_id)
             worker_id = ""
