@@ -196,7 +196,9 @@ class E2Policy:
         prefill of what that replica believed missed (``decision.matched_tokens``) on its
         backlog, and the request in the window (``L``, node counts), so ``on_done``
         corrects it here too. A ``pd_balance`` decision uses up the worker's load report
-        here as well. Idempotent per (request id, worker)."""
+        here as well, and a request under a hot prefix sent to a worker still pending in
+        its replica set seeds it here too (else every replica would send its own first
+        request there). Idempotent per (request id, worker)."""
         self._clock(now)
         ws = self._ws.get(decision.worker_id)
         if ws is None:
@@ -210,6 +212,10 @@ class E2Policy:
         got = min(decision.matched_tokens // self.block, len(hashes))
         if decision.kind == "pd_balance":
             ws.pd_used = True
+        if self.replicator.entries:
+            rep = self.replicator.lookup(node)
+            if rep is not None:
+                self.replicator.seeded(rep, ws.id)
         self._record(req, ws, node, m, prompt, got, self._expected_output(req), now)
 
     def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
