@@ -329,6 +329,15 @@ class RequestDoneBatch(_Msg):
     events: list[RequestDoneEvent]
 
 
+def done_records(msg: object) -> list[RequestDoneEvent]:
+    """The completion records a message on ``done`` carries: itself, a batch's, or none."""
+    if isinstance(msg, RequestDoneEvent):
+        return [msg]
+    if isinstance(msg, RequestDoneBatch):
+        return msg.events
+    return []
+
+
 # ------------------------------------------------------------------ KV events (vLLM schema)
 
 

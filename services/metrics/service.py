@@ -31,6 +31,7 @@ from prefixmesh.shared.wire import (
     RequestDoneBatch,
     RequestDoneEvent,
     SchedulerStatsEvent,
+    done_records,
 )
 
 # The dashboard's files (dashboard.html, dashboard.js, dashboard.css).
@@ -121,10 +122,8 @@ class MetricsService:
             WORKER_DECODE.labels(w).set(ev.decode_share)
             WORKER_STEP.labels(w).set(ev.avg_step_s)
             WORKER_QUEUE.labels(w).set(ev.avg_queue_s)
-        elif isinstance(ev, RequestDoneEvent):
-            self._on_done(ev, now)
-        elif isinstance(ev, RequestDoneBatch):
-            for done in ev.events:
+        elif isinstance(ev, (RequestDoneEvent, RequestDoneBatch)):
+            for done in done_records(ev):
                 self._on_done(done, now)
         elif isinstance(ev, SchedulerStatsEvent):
             self.view.on_scheduler(ev, now)

@@ -70,6 +70,7 @@ from prefixmesh.shared.wire import (
     SchedulerRequest,
     SubmitReply,
     TokenizedRequest,
+    done_records,
     encode,
 )
 
@@ -306,10 +307,8 @@ class SchedulerService:
                 await self._resync(ev.worker_id, why, now)
         elif isinstance(ev, KvEventBatch):
             await self._on_kv(ev, now)
-        elif isinstance(ev, RequestDoneEvent):
-            self.policy.on_done(ev, pnow)
-        elif isinstance(ev, RequestDoneBatch):
-            for done in ev.events:
+        elif isinstance(ev, (RequestDoneEvent, RequestDoneBatch)):
+            for done in done_records(ev):
                 self.policy.on_done(done, pnow)
         elif isinstance(ev, RoutingDecisionsEvent):
             PEER_DECISIONS.inc(apply_peer_decisions(self.policy, ev, self.instance_id, pnow))

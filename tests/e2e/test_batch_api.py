@@ -16,7 +16,7 @@ from openai import AsyncOpenAI, BadRequestError, NotFoundError
 from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.models import DEFAULT_MODEL as MODEL  # what sim workers serve
-from prefixmesh.shared.wire import BUS_EVENT, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import BUS_EVENT, LoadReportEvent, done_records
 from tests.helpers import eventually, mesh_options
 
 pytestmark = pytest.mark.timeout(240)
@@ -65,9 +65,10 @@ class DoneCounter:
         self.loads: list[LoadReportEvent] = []
 
     async def on_event(self, ev: object) -> None:
-        if isinstance(ev, RequestDoneEvent) and ev.request_id.startswith("batch_"):
-            self.runs[ev.request_id] += 1
-        elif isinstance(ev, LoadReportEvent):
+        for done in done_records(ev):  # one record, or one engine step's batch of them
+            if done.request_id.startswith("batch_"):
+                self.runs[done.request_id] += 1
+        if isinstance(ev, LoadReportEvent):
             self.loads.append(ev)
 
     async def settled(self) -> None:
