@@ -280,33 +280,56 @@ def run_bench(
     warmup: int = 5_000,
     config: PolicyConfig | None = None,
     profile: str = DEFAULT_PROFILE,
+    remote: bool = False,
 ) -> dict:
-    """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream."""
+    """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream.
+
+    ``remote``: a second instance of the policy, fed the same cluster events, is told
+    every decision with ``apply_remote_decision`` (a peer replica's work per decision of
+    another), timed too (``remote_*`` keys).
+    """
     cost = CostModel.load(profile)
-    pol = make_policy(policy, config or PolicyConfig(), cost)
     names = [f"w{i}" for i in range(workers)]
-    for w in names:
-        pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
-    cluster = _Cluster(pol, names, cost.capacity_blocks)
+    clusters = []
+    for _ in range(2 if remote else 1):
+        pol = make_policy(policy, config or PolicyConfig(), cost)
+        for w in names:
+            pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
+        clusters.append(_Cluster(pol, names, cost.capacity_blocks))
+    pol = clusters[0].policy
     stream = iter(workload_stream)
     times: list[int] = []
+    remote_times: list[int] = []
     clock = time.perf_counter_ns
     for i in range(warmup + requests):
         br = next(stream)
-        cluster.advance(br.t)
+        for cluster in clusters:
+            cluster.advance(br.t)
         t0 = clock()
         d = pol.route(br.route, br.t)
         t1 = clock()
+        if remote:
+            clusters[1].policy.apply_remote_decision(br.route, d, br.t)
+            t2 = clock()
+            if i >= warmup:
+                remote_times.append(t2 - t1)
         if i >= warmup:
             times.append(t1 - t0)
-        cluster.routed(br, d.worker_id, d.matched_tokens)
-    times.sort()
+        for cluster in clusters:
+            cluster.routed(br, d.worker_id, d.matched_tokens)
+    result = {"workload": workload, "workers": workers, "policy": policy, **_timing(times)}
+    if remote:
+        result.update({f"remote_{k}": v for k, v in _timing(remote_times).items()})
+    return result
+
+
+def _timing(times: list[int]) -> dict:
+    """Rate and percentiles of per-call times (ns)."""
+    times = sorted(times)
     total_s = sum(times) / 1e9
     return {
-        "workload": workload,
-        "workers": workers,
-        "policy": policy,
         "decisions_per_s": round(len(times) / total_s, 1) if total_s else 0.0,
+        "mean_us": round(total_s * 1e6 / max(len(times), 1), 2),
         "p50_us": round(times[len(times) // 2] / 1e3, 2),
         "p99_us": round(times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, 2),
     }
@@ -328,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=None, help="arrivals per second (virtual)")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--remote", action="store_true",
+                    help="also time a peer replica charging each decision "
+                    "(apply_remote_decision), as remote_* keys")
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
     result = run_bench(
@@ -338,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         workload=args.workload,
         warmup=args.warmup,
         profile=args.profile,
+        remote=args.remote,
     )
     text = json.dumps(result)
     print(text)

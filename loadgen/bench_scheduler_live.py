@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the scheduler under loadgen/stalls.py: its garbage collections, "
                     "event-loop lag and slow periodic steps go to this JSON-lines file, and "
                     "the result sums those of the timed window")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="run each spawned scheduler under cProfile: its statistics go to "
+                    "DIR/scheduler-I.prof when it stops (warm-up included)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="run the spawned scheduler from the prefixmesh package in this folder "
                     "(PYTHONPATH; e.g. an older checkout's folders linked as prefixmesh/...)")
@@ -204,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
-    if args.external_scheduler and (args.stalls or args.baseline):
-        ap.error("--stalls and --baseline concern the scheduler this command spawns")
+    if args.external_scheduler and (args.stalls or args.baseline or args.profile):
+        ap.error("--stalls, --profile and --baseline concern the schedulers this command "
+                 "spawns")
+    if args.stalls and args.profile:
+        ap.error("--stalls and --profile each wrap the scheduler: pick one")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
     procs: list[ManagedProcess] = []
     # Logs of spawned replicas to wait on (an older --baseline package logs no such line).
@@ -229,9 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                               "--", "prefixmesh.services.scheduler"]
             extra = {"PYTHONPATH": str(args.baseline.resolve())} if args.baseline else {}
             logs = [tmp / f"scheduler-{i}.log" for i in range(args.schedulers)]
+            if args.profile is not None:
+                args.profile.mkdir(parents=True, exist_ok=True)
             for i, log in enumerate(logs):
+                argv_i = argv_sched
+                if args.profile is not None:
+                    argv_i = [sys.executable, "-m", "cProfile", "-o",
+                              str(args.profile / f"scheduler-{i}.prof"), *argv_sched[1:]]
                 procs.append(ManagedProcess(
-                    f"scheduler-{i}", argv_sched,
+                    f"scheduler-{i}", argv_i,
                     env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
                                   PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
                                   PM_POLICY=args.policy, PM_LOG_LEVEL="INFO",

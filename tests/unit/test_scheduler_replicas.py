@@ -82,6 +82,27 @@ def test_a_peer_decision_records_the_prefix_in_the_tree():
     assert b.route(follow, 1.1).worker_id == d.worker_id
 
 
+def test_a_peer_decision_on_a_known_prefix_records_the_path_not_the_tail():
+    """The exploit shape (the tree holds most of the prompt): the peer puts the shared
+    path on the chosen worker and charges the load, without a node for the tail."""
+    a, b = _policies("e2", 2)
+    first = _req(0)
+    for p in (a, b):  # both know the prefix, on worker "c" (its KV events)
+        p.on_kv_events("c", [BlockStored(first.block_hashes[:8], None, [], BLOCK_SIZE)], 0.5)
+    inp = _req(5)  # the same 8 shared blocks, its own last block
+    d = a.route(inp, 1.0)
+    nodes = len(b.tree)
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0,
+                                                  decisions=[routed(inp, d)]), "B", 1.0)
+    assert len(b.tree) == nodes  # no leaf for the tail
+    node, m = b.tree.match(inp.block_hashes)
+    assert m == 8 and d.worker_id in node.workers and node.counts == {d.worker_id: 1}
+    assert b.worker_state(d.worker_id).L == pytest.approx(a.worker_state(d.worker_id).L)
+    # Its siblings follow it on b as on a.
+    sib = _req(10)
+    assert b.route(sib, 1.1).worker_id == a.route(sib, 1.1).worker_id
+
+
 @pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "e2"])
 def test_baselines_count_peer_decisions_as_outstanding(name):
     a, b = _policies(name, 2)
