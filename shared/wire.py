@@ -331,6 +331,8 @@ class KvEventBatch(_Msg):
     ts: float
     events: list[KvEvent]
     data_parallel_rank: int | None = None
+    # The engine instance that sent the batch (``LoadReportEvent.engine_id``).
+    engine_id: str = ""
 
 
 # --------------------------------------------------------------------------- load and completion
@@ -361,6 +363,10 @@ class LoadReportEvent(_Msg):
     # Steps executed over the last window and mean step duration (seconds).
     steps: int = 0
     avg_step_s: float = 0.0
+    # Id of the engine instance, new at every engine start ("": not told, an older
+    # worker): another id under the same worker id means the engine restarted, its cache
+    # empty, before its first KV event says anything.
+    engine_id: str = ""
 
 
 class BatchProgressEvent(_Msg):
