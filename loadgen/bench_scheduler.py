@@ -222,7 +222,7 @@ class _Cluster:
         events: list = []
         for a, b in segments:  # parents first, as a worker reports them
             if hashes[b - 1] not in lru:
-                seg = hashes[a:b]
+                seg = list(hashes[a:b])
                 lru[hashes[b - 1]] = seg
                 self.used[worker] += len(seg)
                 events.append(BlockStored(seg, hashes[a - 1] if a else None, [], BLOCK_SIZE))

@@ -100,7 +100,8 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         # What the edge sends the scheduler: hashes and length, no token ids.
         msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[],
                                  sampling=SamplingParams(max_tokens=r.max_tokens),
-                                 block_hashes=r.block_hashes, prompt_tokens=r.prompt_tokens)
+                                 block_hashes=list(r.block_hashes),
+                                 prompt_tokens=r.prompt_tokens)
                 for r in reqs]
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 60

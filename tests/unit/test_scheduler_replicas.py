@@ -7,9 +7,20 @@ import pytest
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
 from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
-from prefixmesh.services.scheduler.replicas import CatchUp, apply_peer_decisions, routed
+from prefixmesh.services.scheduler.replicas import (
+    CatchUp,
+    apply_peer_decisions,
+    routed,
+    unpack_hashes,
+)
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.wire import AllBlocksCleared, BlockStored, RoutingDecisionsEvent
+from prefixmesh.shared.wire import (
+    BUS_EVENT,
+    AllBlocksCleared,
+    BlockStored,
+    RoutingDecisionsEvent,
+    encode,
+)
 from tests.helpers import default_cost
 
 WORKERS = ("a", "b", "c")
@@ -101,6 +112,20 @@ def test_a_peer_decision_on_a_known_prefix_records_the_path_not_the_tail():
     # Its siblings follow it on b as on a.
     sib = _req(10)
     assert b.route(sib, 1.1).worker_id == a.route(sib, 1.1).worker_id
+
+
+def test_a_decision_carries_its_hashes_packed_and_a_peer_reads_them_back():
+    inp = _req(2)
+    wide = RouteInput(request_id="w", block_hashes=[2**64 - 1, 5], prompt_tokens=32,
+                      max_tokens=1)  # not a 64-bit signed hash: sent as a list
+    ev = RoutingDecisionsEvent(scheduler_id="A", ts=0.0, decisions=[
+        routed(inp, Decision("a", "explore")), routed(wide, Decision("a", "explore"))])
+    got = BUS_EVENT.decode(encode(ev))
+    assert isinstance(got, RoutingDecisionsEvent)
+    packed, listed = got.decisions
+    assert packed.block_hashes == [] and len(packed.packed_hashes) == 8 * len(inp.block_hashes)
+    assert list(unpack_hashes(packed)) == inp.block_hashes
+    assert listed.packed_hashes == b"" and list(unpack_hashes(listed)) == [2**64 - 1, 5]
 
 
 @pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "e2"])
