@@ -38,7 +38,7 @@ from prefixmesh.loadgen import stalls
 from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
 from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
-from prefixmesh.shared.bus import BatchLimits, Bus
+from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
@@ -48,6 +48,7 @@ from prefixmesh.shared.runtime.servers import (
 from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.wire import (
     ROUTE_REPLY,
+    ErrorInfo,
     LoadReportEvent,
     RouteReply,
     SamplingParams,
@@ -106,7 +107,10 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 60
         while True:
-            reply = await bus.request(bus.subjects.route, msgs[0], ROUTE_REPLY, 5)
+            try:
+                reply = await bus.request(bus.subjects.route, msgs[0], ROUTE_REPLY, 5)
+            except BusUnavailable:  # not in the routing queue group yet (catching up)
+                reply = RouteReply(request_id="", error=ErrorInfo("no scheduler routes yet"))
             if reply.worker_id:
                 break
             if time.monotonic() > deadline:
@@ -252,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                                   # loop: be lenient about their timing.
                                   PM_MISSED_REPORTS="40", PM_CATCHUP_TIMEOUT_S="5", **extra),
                     log_path=log).start())
-            routing_logs = [] if args.baseline else logs
+            # (A --baseline of several replicas is code that logs it too.)
+            routing_logs = [] if args.baseline and args.schedulers == 1 else logs
         import uvloop  # the client's own loop must not be the bottleneck
 
         pids = {p.name: [p.pid] for p in procs}
