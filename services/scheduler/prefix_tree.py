@@ -336,13 +336,6 @@ class PrefixTree:
         self.touch(node, worker, now)
         return node
 
-    def record_path(self, node: Node, worker: str, now: float) -> Node:
-        """``touch`` the existing path to ``node`` (a whole node, or the root) for
-        ``worker``; returns ``node``. For a decision whose tail is not worth a node."""
-        if node is not self.root:
-            self.touch(node, worker, now)
-        return node
-
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after ``k`` blocks; a new node takes the upper part (returned)."""
         parent = node.parent

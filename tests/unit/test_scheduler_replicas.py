@@ -114,6 +114,22 @@ def test_a_peer_decision_on_a_known_prefix_records_the_path_not_the_tail():
     assert b.route(sib, 1.1).worker_id == a.route(sib, 1.1).worker_id
 
 
+def test_a_peer_decision_matching_inside_a_node_puts_the_worker_on_the_matched_part():
+    (b,) = _policies("e2", 1)
+    doc = list(range(5_000, 5_000 + 8 * BLOCK_SIZE))
+    b.on_kv_events("c", [BlockStored(block_hashes(doc), None, [], BLOCK_SIZE)], 0.5)
+    tokens = doc[: 6 * BLOCK_SIZE] + [1] * (2 * BLOCK_SIZE)  # 6 of its 8 blocks, then its own
+    inp = RouteInput(request_id="p", block_hashes=block_hashes(tokens),
+                     prompt_tokens=len(tokens), max_tokens=8)
+    nodes = len(b.tree)
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0, decisions=[
+        routed(inp, Decision("a", "explore"))]), "B", 1.0)
+    assert len(b.tree) == nodes + 1  # the split, no leaf for the two own blocks
+    node, m = b.tree.match(inp.block_hashes)
+    assert m == 6 and node.end == 6 and set(node.workers) == {"a", "c"}
+    assert node.counts == {"a": 1}
+
+
 def test_a_decision_carries_its_hashes_packed_and_a_peer_reads_them_back():
     inp = _req(2)
     wide = RouteInput(request_id="w", block_hashes=[2**64 - 1, 5], prompt_tokens=32,

@@ -226,10 +226,9 @@ class E2Policy:
         if m == n or 2 * m < n:
             self._record(req, ws, node, m, prompt, got, out, now)
             return
-        # Recorded up to the last whole node of the match (no split for a tail).
-        if m < node.start + len(node.hashes):
-            node = node.parent  # type: ignore[assignment]
-        self._charge(req, ws, self.tree.record_path(node, ws.id, now), prompt, got, out, now)
+        # The matched path only (split where the match ends inside a node, as routing does).
+        leaf = self.tree.record(node, m, hashes[:m], ws.id, now)
+        self._charge(req, ws, leaf, prompt, got, out, now)
 
     def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
         """``(L, M, P)`` of every eligible worker for ``req``, in seconds, without routing
