@@ -18,11 +18,13 @@ import bisect
 import heapq
 import itertools
 import json
+import os
 import random
 import sys
 import time
+import tracemalloc
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
@@ -172,6 +174,36 @@ def make_stream(workload: str, rate: float | None = None, seed: int = 0) -> Iter
     raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
 
 
+class _Mirrored:
+    """The timed policy and a peer replica of it (``--remote``): the cluster's feedback
+    reaches both, and the peer learns the timed policy's decisions by
+    ``apply_remote_decision`` (timed too: what each replica spends per decision another
+    replica made)."""
+
+    def __init__(self, main: GlobalPolicy, peer: GlobalPolicy) -> None:
+        self.main, self.peer = main, peer
+
+    @property
+    def workers(self) -> Collection[str]:
+        return self.main.workers
+
+    def on_kv_events(self, worker: str, events: list, now: float) -> None:
+        self.main.on_kv_events(worker, events, now)
+        self.peer.on_kv_events(worker, events, now)
+
+    def on_load(self, report: LoadReportEvent, now: float) -> None:
+        self.main.on_load(report, now)
+        self.peer.on_load(report, now)
+
+    def on_done(self, done: RequestDoneEvent, now: float) -> None:
+        self.main.on_done(done, now)
+        self.peer.on_done(done, now)
+
+    def tick(self, now: float) -> None:
+        self.main.tick(now)
+        self.peer.tick(now)
+
+
 class _Cluster:
     """Untimed stand-in for the workers: prefix caches, completions, load reports.
 
@@ -182,7 +214,8 @@ class _Cluster:
     scheduler's CPU caches here.
     """
 
-    def __init__(self, policy: GlobalPolicy, workers: list[str], capacity_blocks: int) -> None:
+    def __init__(self, policy: GlobalPolicy | _Mirrored, workers: list[str],
+                 capacity_blocks: int) -> None:
         self.policy = policy
         self.capacity = capacity_blocks
         # Per worker: last hash of a segment -> its hashes, least recently used first.
@@ -270,6 +303,73 @@ class _Cluster:
             )
 
 
+def _setup(policy: str, workers: int, config: PolicyConfig | None, profile: str,
+           peer: bool = False) -> tuple[GlobalPolicy, _Cluster, GlobalPolicy | None]:
+    """The policy with ``workers`` registered workers, the cluster that feeds it and (with
+    ``peer``) a second replica fed the same."""
+    cost = CostModel.load(profile)
+    names = [f"w{i}" for i in range(workers)]
+    pols = []
+    for _ in range(2 if peer else 1):
+        pols.append(p := make_policy(policy, config or PolicyConfig(), cost))
+        for w in names:
+            p.add_worker(w, cost.kv_capacity_tokens, 0.0)
+    fed = _Mirrored(pols[0], pols[1]) if peer else pols[0]
+    return pols[0], _Cluster(fed, names, cost.capacity_blocks), pols[1] if peer else None
+
+
+def _quantiles(times: list[int]) -> tuple[float, float, float]:
+    """Calls per second of work, p50 and p99 (µs) of sorted nanosecond timings."""
+    total_s = sum(times) / 1e9
+    return (round(len(times) / total_s, 1) if total_s else 0.0,
+            round(times[len(times) // 2] / 1e3, 2),
+            round(times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, 2))
+
+
+def policy_memory(
+    workload_stream: Iterable[BenchRequest],
+    workers: int,
+    requests: int,
+    policy: str = "e2",
+    *,
+    workload: str = "custom",
+    profile: str = DEFAULT_PROFILE,
+) -> dict:
+    """Memory the policy holds after routing ``requests`` requests of the stream (untimed).
+
+    Counted with ``tracemalloc``: the live allocations made in the scheduler's own code
+    (``services/scheduler/``: tree nodes, caching sets, LRU orders, the load window), not
+    the stand-in cluster's. ``bytes_per_worker`` is that total over the workers.
+    """
+    tracemalloc.start()
+    try:
+        pol, cluster, _ = _setup(policy, workers, None, profile)
+        for br in itertools.islice(workload_stream, requests):
+            cluster.advance(br.t)
+            d = pol.route(br.route, br.t)
+            cluster.routed(br, d.worker_id, d.matched_tokens)
+        only = [tracemalloc.Filter(True, f"*{os.sep}services{os.sep}scheduler{os.sep}*")]
+        snap = tracemalloc.take_snapshot().filter_traces(only)
+    finally:
+        tracemalloc.stop()
+    total = sum(st.size for st in snap.statistics("filename"))
+    tree = pol.summary().tree
+    window = getattr(pol, "window", None)
+    return {
+        "workload": workload,
+        "workers": workers,
+        "policy": policy,
+        "requests": requests,
+        "policy_bytes": total,
+        "bytes_per_worker": round(total / workers),
+        "tree_nodes": tree.n_nodes if tree is not None else 0,
+        "tree_blocks": tree.n_blocks if tree is not None else 0,
+        # Blocks the tree holds per worker (a block cached by two workers counts twice).
+        "cached_blocks": sum(tree.worker_blocks.values()) if tree is not None else 0,
+        "window_entries": len(window.entries) if window is not None else 0,
+    }
+
+
 def run_bench(
     workload_stream: Iterable[BenchRequest],
     workers: int = 16,
@@ -281,58 +381,46 @@ def run_bench(
     config: PolicyConfig | None = None,
     profile: str = DEFAULT_PROFILE,
     remote: bool = False,
+    cpu_clock: bool = False,
 ) -> dict:
     """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream.
 
-    ``remote``: a second instance of the policy, fed the same cluster events, is told
-    every decision with ``apply_remote_decision`` (a peer replica's work per decision of
-    another), timed too (``remote_*`` keys).
-    """
-    cost = CostModel.load(profile)
-    names = [f"w{i}" for i in range(workers)]
-    clusters = []
-    for _ in range(2 if remote else 1):
-        pol = make_policy(policy, config or PolicyConfig(), cost)
-        for w in names:
-            pol.add_worker(w, cost.kv_capacity_tokens, 0.0)
-        clusters.append(_Cluster(pol, names, cost.capacity_blocks))
-    pol = clusters[0].policy
+    ``remote``: a peer replica learns each decision (``apply_remote_decision``), timed as
+    ``remote_*`` (what a replica spends on a decision another one made). ``cpu_clock``:
+    time with this thread's CPU clock instead of the wall clock, so that the time slices
+    other processes take on a shared machine do not count (the policy's own work,
+    garbage collections included, does)."""
+    pol, cluster, peer = _setup(policy, workers, config, profile, peer=remote)
     stream = iter(workload_stream)
     times: list[int] = []
-    remote_times: list[int] = []
-    clock = time.perf_counter_ns
+    applied: list[int] = []
+    clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     for i in range(warmup + requests):
         br = next(stream)
-        for cluster in clusters:
-            cluster.advance(br.t)
+        cluster.advance(br.t)
         t0 = clock()
         d = pol.route(br.route, br.t)
         t1 = clock()
-        if remote:
-            clusters[1].policy.apply_remote_decision(br.route, d, br.t)
-            t2 = clock()
+        if peer is not None:
+            peer.apply_remote_decision(br.route, d, br.t)
             if i >= warmup:
-                remote_times.append(t2 - t1)
+                applied.append(clock() - t1)
         if i >= warmup:
             times.append(t1 - t0)
-        for cluster in clusters:
-            cluster.routed(br, d.worker_id, d.matched_tokens)
-    result = {"workload": workload, "workers": workers, "policy": policy, **_timing(times)}
-    if remote:
-        result.update({f"remote_{k}": v for k, v in _timing(remote_times).items()})
-    return result
-
-
-def _timing(times: list[int]) -> dict:
-    """Rate and percentiles of per-call times (ns)."""
-    times = sorted(times)
-    total_s = sum(times) / 1e9
-    return {
-        "decisions_per_s": round(len(times) / total_s, 1) if total_s else 0.0,
-        "mean_us": round(total_s * 1e6 / max(len(times), 1), 2),
-        "p50_us": round(times[len(times) // 2] / 1e3, 2),
-        "p99_us": round(times[min(len(times) - 1, int(len(times) * 0.99))] / 1e3, 2),
-    }
+        cluster.routed(br, d.worker_id, d.matched_tokens)
+    times.sort()
+    per_s, p50, p99 = _quantiles(times)
+    out = {"workload": workload, "workers": workers, "policy": policy,
+           "decisions_per_s": per_s, "p50_us": p50, "p99_us": p99,
+           "clock": "cpu" if cpu_clock else "wall"}
+    if applied:
+        applied.sort()
+        per_s, p50, p99 = _quantiles(applied)
+        # Mean time of a remote decision over a decision's own: the share of a replica's
+        # policy CPU that the other replicas' decisions take is (R - 1) x this.
+        out.update(remote_per_s=per_s, remote_p50_us=p50, remote_p99_us=p99,
+                   remote_cost_ratio=round(sum(applied) / sum(times), 3))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,16 +436,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20_000, help="timed decisions")
     ap.add_argument("--warmup", type=int, default=5_000, help="untimed decisions first")
     ap.add_argument("--policy", choices=POLICY_NAMES, default="e2")
-    ap.add_argument("--rate", type=float, default=None, help="arrivals per second (virtual)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="arrivals per second (virtual; default: the stream's rate for 16 "
+                    "workers, times workers / 16 with --scale-rate)")
+    ap.add_argument("--scale-rate", action="store_true",
+                    help="scale the default rate with the workers (the same load per worker)")
+    ap.add_argument("--remote", action="store_true",
+                    help="also time a peer replica learning each decision "
+                    "(apply_remote_decision): remote_* figures")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="time with the thread's CPU clock (other processes' time slices on "
+                    "a shared machine do not count)")
+    ap.add_argument("--memory", action="store_true",
+                    help="measure the policy's memory after warmup + requests decisions "
+                    "(tracemalloc, untimed) instead of timing")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--remote", action="store_true",
-                    help="also time a peer replica charging each decision "
-                    "(apply_remote_decision), as remote_* keys")
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
+    rate = args.rate
+    if rate is None and args.scale_rate:
+        rate = DEFAULT_RATE[args.workload] * args.workers / 16
+    if args.memory:
+        result = policy_memory(make_stream(args.workload, rate, args.seed), args.workers,
+                               args.warmup + args.requests, args.policy,
+                               workload=args.workload, profile=args.profile)
+        result["rate"] = rate
+        return _emit(result, args.json)
     result = run_bench(
-        make_stream(args.workload, args.rate, args.seed),
+        make_stream(args.workload, rate, args.seed),
         workers=args.workers,
         requests=args.requests,
         policy=args.policy,
@@ -365,11 +472,18 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         profile=args.profile,
         remote=args.remote,
+        cpu_clock=args.cpu_clock,
     )
+    result["rate"] = rate
+    return _emit(result, args.json)
+
+
+def _emit(result: dict, path: str | None) -> int:
+    """Print the result line, and write it to ``path`` too."""
     text = json.dumps(result)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
     return 0
 

@@ -38,8 +38,12 @@ from prefixmesh.services.scheduler.policies.base import (
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
 
-# How the route subject's queue group spreads requests over the replicas.
-SPLITS = ("round_robin", "random")
+# How requests are spread over the replicas: as the route subject's queue group would
+# (in turn, or at random), or by prompt head ("prefix": the block hash at
+# PREFIX_SPLIT_BLOCKS picks the replica, as an edge publishing to one route subject per
+# replica would), so that one replica sees every request of a prefix at once.
+SPLITS = ("round_robin", "random", "prefix")
+PREFIX_SPLIT_BLOCKS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,9 @@ class ReplicatedPolicy:
         n = len(self.replicas)
         if self._rng is not None:
             i = self._rng.randrange(n)
+        elif self.rcfg.split == "prefix" and req.block_hashes:
+            hashes = req.block_hashes
+            i = hashes[min(PREFIX_SPLIT_BLOCKS, len(hashes)) - 1] % n
         else:
             i = self._turn
             self._turn = (i + 1) % n
@@ -195,6 +202,8 @@ def replica_label(label: str, rc: ReplicaConfig) -> str:
     if not rc.replicated:
         return label
     tail = "" if rc.share_decisions else "-nodec"
+    if rc.split != "round_robin":
+        tail += f"-{rc.split}"
     return f"{label}@{rc.schedulers}x{rc.sync_delay_s * 1000:g}ms{tail}"
 
 
@@ -215,36 +224,89 @@ def _mean(rows: Sequence[dict], field: str) -> float:
     return sum(r[field] for r in rows) / len(rows)
 
 
-def replica_report(runs: Sequence[dict]) -> str:
-    """Markdown: per (workload, GPUs, rate, policy), each (schedulers, delay) point against
-    one scheduler with no delay, means over the seeds both ran."""
-    groups: dict[tuple, dict[tuple[int, float, bool], dict]] = {}
+Groups = dict[tuple, dict[tuple[int, float, str], dict]]
+
+
+def _groups(runs: Sequence[dict]) -> Groups:
+    """(workload, GPUs, rate, policy, local) -> (schedulers, delay ms, mode) -> seed -> row;
+    mode "yes" (decisions shared, queue-group split), "no" (not shared) or the split when
+    another."""
+    groups: Groups = {}
     for r in runs:
         base = str(r["policy"]).split("@")[0]
         key = (r["workload"], r["gpus"], r["rate"], base, r.get("local_policy"))
-        point = (int(r.get("schedulers", 1)), float(r.get("sync_delay_ms", 0.0)),
-                 bool(r.get("share_decisions", True)))
+        split = r.get("split", "round_robin")
+        mode = "yes" if r.get("share_decisions", True) else "no"
+        if split != "round_robin":
+            mode += f", {split} split"
+        point = (int(r.get("schedulers", 1)), float(r.get("sync_delay_ms", 0.0)), mode)
         groups.setdefault(key, {}).setdefault(point, {})[r.get("seed")] = r
+    return groups
+
+
+def _versus(by_seed: dict, one: dict) -> tuple[list, float, float, float, float] | None:
+    """Seeds both ran, mean avg and p99 over them, and their change against ``one``."""
+    seeds = sorted(set(by_seed) & set(one), key=str)
+    if not seeds:
+        return None
+    rows = [by_seed[s] for s in seeds]
+    ref = [one[s] for s in seeds]
+    avg, p99 = _mean(rows, "latency_avg_s"), _mean(rows, "latency_p99_s")
+    return (seeds, avg, p99, avg / _mean(ref, "latency_avg_s") - 1,
+            p99 / _mean(ref, "latency_p99_s") - 1)
+
+
+def replica_matrix(runs: Sequence[dict]) -> str:
+    """Markdown, compact: per panel, schedulers x sync delay, each cell the change of the
+    mean average / p99 latency against one scheduler with no delay (decisions shared)."""
     out: list[str] = []
-    for (workload, gpus, rate, policy, local), points in sorted(groups.items(), key=str):
-        one = points.get((1, 0.0, True))
+    for (workload, gpus, rate, policy, local), points in sorted(_groups(runs).items(),
+                                                                key=str):
+        one = points.get((1, 0.0, "yes"))
+        if one is None:
+            continue
+        delays = sorted({d for _, d, mode in points if mode == "yes"})
+        counts = sorted({n for n, _, mode in points if mode == "yes"})
+        out.append(f"{workload}, {gpus} GPUs, {rate:g} req/s, {policy}/{local}: one "
+                   f"scheduler {_mean(list(one.values()), 'latency_avg_s'):.3f} / "
+                   f"{_mean(list(one.values()), 'latency_p99_s'):.3f} s (avg / p99, seeds "
+                   f"{', '.join(map(str, sorted(one, key=str)))})\n")
+        out.append("| schedulers | " + " | ".join(f"{d:g} ms" for d in delays) + " |")
+        out.append("|---|" + "---|" * len(delays))
+        for n in counts:
+            cells = []
+            for d in delays:
+                v = _versus(points.get((n, d, "yes"), {}), one)
+                cells.append("" if v is None else f"{v[3]:+.1%} / {v[4]:+.1%}"
+                             + ("" if len(v[0]) == len(one)
+                                else " (seed " + ", ".join(map(str, v[0])) + ")"))
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def replica_report(runs: Sequence[dict]) -> str:
+    """Markdown: per (workload, GPUs, rate, policy), each (schedulers, delay) point against
+    one scheduler with no delay, means over the seeds both ran."""
+    out: list[str] = []
+    for (workload, gpus, rate, policy, local), points in sorted(_groups(runs).items(),
+                                                                key=str):
+        one = points.get((1, 0.0, "yes"))
         if one is None:
             continue
         out.append(f"### {workload}, {gpus} GPUs, {rate:g} req/s, {policy}/{local}\n")
         out.append("| schedulers | sync delay ms | decisions shared | seeds | avg s | p99 s "
                    "| hit | failed | avg vs 1 | p99 vs 1 |")
         out.append("|---|---|---|---|---|---|---|---|---|---|")
-        for (n, d, shared), by_seed in sorted(points.items(), key=lambda kv: (not kv[0][2],
-                                                                              kv[0][:2])):
-            seeds = sorted(set(by_seed) & set(one), key=str)
-            if not seeds:
+        for (n, d, mode), by_seed in sorted(points.items(),
+                                            key=lambda kv: (kv[0][2] != "yes", kv[0][2],
+                                                            kv[0][:2])):
+            v = _versus(by_seed, one)
+            if v is None:
                 continue
+            seeds, avg, p99, d_avg, d_p99 = v
             rows = [by_seed[s] for s in seeds]
-            ref = [one[s] for s in seeds]
-            avg, p99 = _mean(rows, "latency_avg_s"), _mean(rows, "latency_p99_s")
-            d_avg = avg / _mean(ref, "latency_avg_s") - 1
-            d_p99 = p99 / _mean(ref, "latency_p99_s") - 1
-            out.append(f"| {n} | {d:g} | {'yes' if shared else 'no'} | "
+            out.append(f"| {n} | {d:g} | {mode} | "
                        f"{', '.join(map(str, seeds))} | {avg:.3f} | "
                        f"{p99:.3f} | {_mean(rows, 'cache_hit_ratio'):.1%} | "
                        f"{sum(r['failed'] for r in rows)} | {d_avg:+.1%} | {d_p99:+.1%} |")
@@ -258,8 +320,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "(results of prefixmesh sim --schedulers ... "
                                 "--sync-delay-ms ...).")
     p.add_argument("results", nargs="+", type=Path)
+    p.add_argument("--matrix", action="store_true",
+                   help="compact: schedulers x delay, change of avg / p99 per cell")
     args = p.parse_args(argv)
-    print(replica_report(load_runs(args.results)))
+    runs = load_runs(args.results)
+    print(replica_matrix(runs) if args.matrix else replica_report(runs))
     return 0
 
 

@@ -60,6 +60,9 @@ class MeshOptions:
     """What ``prefixmesh up`` runs (each field is also its ``--flag``)."""
 
     workers: int = option(4, "number of worker replicas")
+    workers_per_process: int = option(1, "sim workers sharing one process (each keeps its "
+                                      "own id, subjects and load reports): a large fleet "
+                                      "on a small machine")
     schedulers: int = option(1, "scheduler replicas, all routing (active-active)")
     edges: int = option(1, "edge replicas, on consecutive ports from --port")
     tokenizers: int = option(1, "tokenizer replicas (one queue group)")
@@ -211,8 +214,9 @@ class LocalMesh:
         for i in range(o.schedulers):
             self._spawn("scheduler", _replica_name("scheduler", i),
                         PM_POLICY=o.policy, PM_PROFILE=o.profile)
-        for i in range(o.workers):
-            self._spawn("worker", f"worker-{i}", PM_WORKER_ID=f"w{i}", PM_BACKEND=o.backend,
+        for first, ids in worker_groups(o.workers, o.workers_per_process, o.backend):
+            who = {"PM_WORKER_ID": ids[0]} if len(ids) == 1 else {"PM_WORKER_IDS": ",".join(ids)}
+            self._spawn("worker", f"worker-{first}", **who, PM_BACKEND=o.backend,
                         PM_PROFILE=o.profile, PM_LOCAL_POLICY=o.local_policy)
         served = card_for(o.backend, o.profile)  # what the workers serve, if known here
         models = ({"PM_MODELS": served.name}
@@ -324,6 +328,14 @@ def unreported(cluster: dict | None, own: list[str]) -> list[str]:
     """Workers of ``own`` the metrics service has no recent load report from."""
     live = _live(cluster) if cluster is not None else set()
     return [w for w in own if w not in live]
+
+
+def worker_groups(workers: int, per_process: int, backend: str) -> list[tuple[int, list[str]]]:
+    """Worker processes to start: (index of the first, its worker ids w<i>). Only sim
+    engines share a process (a real engine wants one of its own)."""
+    k = max(per_process, 1) if backend == "sim" else 1
+    return [(first, [f"w{i}" for i in range(first, min(first + k, workers))])
+            for first in range(0, workers, k)]
 
 
 def last_log_line(path: Path, tail_bytes: int = 4096) -> str:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from prefixmesh.services.worker.config import WorkerConfig
+from prefixmesh.services.worker.group import WorkerGroup
 from prefixmesh.services.worker.http import serve_http
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.runtime.config import ENV_PREFIX, parse
@@ -42,6 +43,9 @@ def main(argv: Sequence[str] | None = None, standalone: bool = False) -> int:
     if not cfg.worker_id and cfg.http_port:  # a readable id for logs and /server_info
         cfg = dataclasses.replace(cfg, worker_id=f"http-{cfg.http_port}")
     setup_logging("worker", cfg.log_level, cfg.log_json)
+    if cfg.worker_ids:
+        run_main(lambda: WorkerGroup(cfg), cfg.drain_timeout_s)
+        return 0
     front = serve_http if cfg.http_port else None
     run_main(lambda: WorkerService(cfg, front), cfg.drain_timeout_s)
     return 0

@@ -23,6 +23,8 @@ from prefixmesh.shared.runtime.config import CommonConfig, option
 @dataclass(frozen=True)
 class WorkerConfig(CommonConfig):
     worker_id: str = option("", "this worker's id (empty = hostname-pid, unique per replica)")
+    worker_ids: str = option("", "sim: run one engine per id of this comma list in this "
+                             "process, each a worker of its own (overrides worker_id)")
     backend: str = option("sim", "engine backend: sim (simulated GPU), hf, vllm",
                           choices=("sim", "hf", "vllm"))
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPU")

@@ -8,11 +8,18 @@ import json
 import pytest
 
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
-from prefixmesh.loadgen.sim_replicas import ReplicaConfig, ReplicatedPolicy, replica_report
+from prefixmesh.loadgen.sim_replicas import (
+    ReplicaConfig,
+    ReplicatedPolicy,
+    replica_label,
+    replica_matrix,
+    replica_report,
+)
 from prefixmesh.loadgen.sweep import main as sim_main
 from prefixmesh.services.scheduler.policies import make_policy
-from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
+from prefixmesh.services.scheduler.policies.e2_replicate import Replica
 from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.wire import RequestDoneEvent
 from tests.helpers import default_cost, e2_policy, route_input, shared_prefix_requests, toks
@@ -68,6 +75,22 @@ def test_e2_completion_corrects_a_remote_decision_and_unknown_workers_are_ignore
     b.remove_worker(d.worker_id, 1.0)
     b.apply_remote_decision(route_input("r1", toks(4, 40)), d, 1.1)  # no error, no effect
     assert d.worker_id not in b.workers
+
+
+def test_e2_remote_request_seeds_a_pending_hot_prefix_replica():
+    a, b = e2_policy(), e2_policy()
+    prefix = toks(20, 100)
+    first = route_input("r0", prefix, toks(21, 2))
+    d = a.route(first, 0.0)
+    b.apply_remote_decision(first, d, 0.0)
+    node, _ = b.tree.match(first.block_hashes)
+    target = next(w for w in b.workers if w != d.worker_id)
+    rep = Replica(0.0, 1)
+    rep.pending.append(target)
+    b.replicator.entries[node] = rep
+    seed = route_input("r1", prefix, toks(22, 2))
+    b.apply_remote_decision(seed, Decision(target, "replicate", 100 * BLOCK_SIZE), 0.1)
+    assert rep.pending == []  # b will not send its own first request there
 
 
 def test_least_load_replica_counts_remote_requests_as_outstanding():
@@ -157,7 +180,7 @@ def test_sim_verb_runs_every_replica_point_and_the_report_compares_them(tmp_path
     out = tmp_path / "rep.json"
     assert sim_main(["--gpus", "2", "--workload", "toolbench", "--rates", "4",
                      "--policies", "e2", "--duration", "5", "--schedulers", "1,2",
-                     "--sync-delay-ms", "0,10", "--split", "random",
+                     "--sync-delay-ms", "0,10",
                      "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["policy"] for r in runs] == ["e2", "e2@1x10ms", "e2@2x0ms", "e2@2x10ms"]
@@ -166,3 +189,20 @@ def test_sim_verb_runs_every_replica_point_and_the_report_compares_them(tmp_path
     assert sum(runs[3]["replica_routed"]) == runs[3]["requests"]
     table = replica_report(runs)
     assert "| 2 | 10 | yes | 0 |" in table and "+0.0% | +0.0% |" in table
+    matrix = replica_matrix(runs)
+    assert "| schedulers | 0 ms | 10 ms |" in matrix
+    assert "| 1 | +0.0% / +0.0% |" in matrix and matrix.count("\n| 2 | ") == 1
+
+
+def test_prefix_split_sends_a_prefix_to_one_replica_and_labels_name_the_split():
+    rp = ReplicatedPolicy("e2", PolicyConfig(), COST,
+                          ReplicaConfig(schedulers=4, sync_delay_s=0.05, split="prefix"))
+    for i in range(4):
+        rp.add_worker(f"w{i}", 0, 0.0)
+    prefix = toks(30, 40)
+    for i in range(6):
+        rp.route(route_input(f"r{i}", prefix, toks(100 + i, 2)), 0.001 * i)
+    assert sorted(rp.routed) == [0, 0, 0, 6]
+    assert replica_label("e2", ReplicaConfig(2, 0.01, "random")) == "e2@2x10ms-random"
+    assert replica_label("e2", ReplicaConfig(2, 0.01, "prefix", share_decisions=False)) == (
+        "e2@2x10ms-nodec-prefix")

@@ -196,7 +196,9 @@ class E2Policy:
         prefill of what that replica believed missed (``decision.matched_tokens``) on its
         backlog, and the request in the window (``L``, node counts), so ``on_done``
         corrects it here too. A ``pd_balance`` decision uses up the worker's load report
-        here as well. Idempotent per (request id, worker).
+        here as well, and a request under a hot prefix sent to a worker still pending in
+        its replica set seeds it here too (else every replica would send its own first
+        request there). Idempotent per (request id, worker).
 
         Only what later requests may share goes into the tree. When the tree already
         holds at least half of the prompt (the exploit shape: missed < cached), the rest
@@ -222,6 +224,10 @@ class E2Policy:
             got = n
         if decision.kind == "pd_balance":
             ws.pd_used = True
+        if self.replicator.entries:
+            rep = self.replicator.lookup(node)
+            if rep is not None:
+                self.replicator.seeded(rep, ws.id)
         out = self._expected_output(req)
         if m == n or 2 * m < n:
             self._record(req, ws, node, m, prompt, got, out, now)

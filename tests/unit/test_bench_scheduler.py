@@ -1,0 +1,37 @@
+"""``prefixmesh bench-scheduler``: the policy's memory mode and the rate scaled with the
+workers (decision timings themselves are benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import json
+
+from prefixmesh.loadgen.bench_scheduler import main, make_stream, policy_memory, run_bench
+
+
+def test_policy_memory_grows_with_the_requests_it_holds():
+    small = policy_memory(make_stream("toolbench", 320.0), 32, 200)
+    big = policy_memory(make_stream("toolbench", 320.0), 32, 2000)
+    assert 0 < small["policy_bytes"] < big["policy_bytes"]
+    assert big["window_entries"] == 2000  # all inside the 180 s window
+    assert big["tree_nodes"] > small["tree_nodes"] > 0
+    assert big["bytes_per_worker"] == round(big["policy_bytes"] / 32)
+
+
+def test_memory_mode_scales_the_default_rate_with_the_workers(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    assert main(["--workers", "64", "--requests", "50", "--warmup", "50", "--scale-rate",
+                 "--memory", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["rate"] == 640.0 and row["requests"] == 100 and row["workers"] == 64
+    assert json.loads(capsys.readouterr().out) == row
+
+
+def test_remote_mode_times_a_peer_replica_learning_each_decision():
+    row = run_bench(make_stream("toolbench", 160.0), workers=8, requests=300, warmup=100,
+                    remote=True)
+    assert row["remote_p50_us"] > 0 and row["remote_cost_ratio"] > 0
+    plain = run_bench(make_stream("toolbench", 160.0), workers=8, requests=50, warmup=10)
+    assert "remote_p50_us" not in plain and plain["clock"] == "wall"
+    cpu = run_bench(make_stream("toolbench", 160.0), workers=8, requests=50, warmup=10,
+                    cpu_clock=True)
+    assert cpu["clock"] == "cpu" and cpu["p99_us"] >= cpu["p50_us"] > 0
