@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prefixmesh.loadgen.ideal import IDEAL, IdealPolicy, ideal_engine
 from prefixmesh.loadgen.results import RequestResult
 from prefixmesh.loadgen.sim_replicas import ReplicaConfig, ReplicatedPolicy
 from prefixmesh.loadgen.trail_preds import (
@@ -36,7 +37,7 @@ from prefixmesh.services.worker.engine.sim import SimEngine, SimEngineConfig
 from prefixmesh.services.worker.engine.types import EngineRequest, StepPlan
 from prefixmesh.services.worker.local import LocalPolicyConfig, make_local_policy
 from prefixmesh.services.worker.reports import done_record, load_report
-from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
 
@@ -55,6 +56,10 @@ class ClusterConfig:
     # The local policy's knobs (its config type, e.g. SprptConfig); None: its defaults.
     local_config: LocalPolicyConfig | None = None
     profile: str = DEFAULT_PROFILE
+    # One cost-model profile per worker (a fleet mixing GPU types; its length overrides
+    # ``gpus``); empty: ``gpus`` workers on ``profile``. The policy's own cost model stays
+    # ``profile``; E2 prices each worker with the profile its load reports name.
+    gpu_profiles: tuple[str, ...] = ()
     # Period of each worker's load report to the global policy (seconds, as live).
     load_interval_s: float = 0.25
     # Period of the global policy's background maintenance (seconds, as live).
@@ -73,6 +78,8 @@ class ClusterConfig:
     replicas: ReplicaConfig = field(default_factory=ReplicaConfig)
 
     def __post_init__(self) -> None:
+        if self.gpu_profiles and self.gpus != len(self.gpu_profiles):
+            object.__setattr__(self, "gpus", len(self.gpu_profiles))
         if self.predictions not in PREDICTION_MODES:
             raise ValueError(f"predictions must be one of {PREDICTION_MODES}")
         if self.predictions in TRAIL_MODES and self.trail is None:
@@ -131,15 +138,21 @@ class ClusterSim:
             raise ValueError("gpus must be at least 1")
         self.cfg = cfg
         self.cost = CostModel.load(cfg.profile)
-        self.policy: SimPolicy = (
+        self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
+        # Each worker's profile name, as its load reports state it.
+        self.profiles = dict(zip(self.workers, cfg.gpu_profiles or [cfg.profile] * cfg.gpus))
+        self.engines = {
+            w: SimEngine(CostModel.load(self.profiles[w]),
+                         make_local_policy(cfg.local_policy, cfg.local_config),
+                         ideal_engine(CostModel.load(self.profiles[w]), cfg.engine_config)
+                         if cfg.policy == IDEAL else cfg.engine_config)
+            for w in self.workers}
+        # The ``ideal`` reference (loadgen/ideal.py) also fills the chosen GPU's cache.
+        self.ideal = IdealPolicy(self.engines) if cfg.policy == IDEAL else None
+        self.policy: SimPolicy = self.ideal or (
             ReplicatedPolicy(cfg.policy, cfg.policy_config, self.cost, cfg.replicas)
             if cfg.replicas.replicated
             else make_policy(cfg.policy, cfg.policy_config, self.cost))
-        self.workers = [f"gpu{i}" for i in range(cfg.gpus)]
-        self.engines = {
-            w: SimEngine(self.cost, make_local_policy(cfg.local_policy, cfg.local_config),
-                         cfg.engine_config)
-            for w in self.workers}
         self.plans: dict[str, StepPlan | None] = {w: None for w in self.workers}
         self.refiner = Refiner() if cfg.predictions == "refined" else None
         # (time, kind, push order, payload: request index, worker or None for a tick)
@@ -187,8 +200,8 @@ class ClusterSim:
         decisions: dict[str, int] = {}
         per_worker = dict.fromkeys(self.workers, 0)
         for w in self.workers:
-            self.policy.add_worker(w, self.engines[w].cache.num_blocks * self.cost.block_size,
-                                   0.0)
+            engine = self.engines[w]
+            self.policy.add_worker(w, engine.cache.num_blocks * engine.cost_model.block_size, 0.0)
             self._push(0.0, _LOAD, w)
         self._push(0.0, _TICK, None)
         for i, t in enumerate(arrivals):
@@ -219,6 +232,8 @@ class ClusterSim:
                     results[i].error = str(exc)
                     pending -= 1
                     continue
+                if self.ideal is not None:
+                    self.ideal.seed(d.worker_id, prompt, hashes)
                 decisions[d.kind] = decisions.get(d.kind, 0) + 1
                 per_worker[d.worker_id] += 1
                 self.engines[d.worker_id].add(EngineRequest(
@@ -259,7 +274,8 @@ class ClusterSim:
             elif kind == _LOAD:
                 assert isinstance(payload, str)
                 w = payload
-                self.policy.on_load(load_report(w, self.engines[w].stats(now), now), now)
+                self.policy.on_load(load_report(w, self.engines[w].stats(now), now,
+                                                profile=self.profiles[w]), now)
                 self._push(now + self.cfg.load_interval_s, _LOAD, w)
             else:
                 self.policy.tick(now)
@@ -270,3 +286,22 @@ class ClusterSim:
                       worker_requests=per_worker,
                       preemptions=sum(e.stats(now).preemptions for e in self.engines.values()),
                       prefill_tokens=prefill_tokens, busy_s=busy_s)
+
+
+def working_set_blocks(requests: Sequence[WorkloadRequest]) -> int:
+    """Distinct KV blocks the requests' prompts make (tenant-salted, as the engines hash)."""
+    seen: set[int] = set()
+    for req in requests:
+        seen.update(block_hashes(token_prompt(req), req.tenant))
+    return len(seen)
+
+
+def pressure_blocks(requests: Sequence[WorkloadRequest], gpus: int, pressure: float) -> int:
+    """KV blocks per GPU that make the requests' working set ``pressure`` times the fleet's
+    aggregate cache (``pressure`` 2-4: a cache pressure test). Never fewer than the largest
+    request needs (prompt and output), or it could never run."""
+    if pressure <= 0:
+        raise ValueError("cache pressure must be positive")
+    largest = max((-(-(len(token_prompt(r)) + max(r.output_len, r.max_tokens)) // BLOCK_SIZE))
+                  for r in requests) if requests else 1
+    return max(largest + 1, round(working_set_blocks(requests) / (pressure * gpus)))

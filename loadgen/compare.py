@@ -64,6 +64,8 @@ from prefixmesh.loadgen.options import (
 )
 from prefixmesh.loadgen.report import markdown, plot
 from prefixmesh.services.up import LocalMesh, MeshOptions
+from prefixmesh.shared.costmodel import parse_gpu_profiles
+from prefixmesh.shared.models import sim_card
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
@@ -184,10 +186,16 @@ class WorkerGroup:
     """``n`` standalone HTTP sim workers on the mesh's bus; a context manager."""
 
     def __init__(self, n: int, local_policy: str, profile: str, nats_url: str,
-                 subject_prefix: str, log_dir: Path, time_scale: float = 1.0) -> None:
+                 subject_prefix: str, log_dir: Path, time_scale: float = 1.0,
+                 profiles: Sequence[str] = ()) -> None:
         self.procs: list[ManagedProcess] = []
         self.urls: list[str] = []
         self.n, self.local_policy, self.profile = n, local_policy, profile
+        # One profile per worker (a fleet mixing GPU types); empty: ``profile`` for all.
+        self.profiles = tuple(profiles) or (profile,) * n
+        # A mixed fleet serves one model name (the first profile's), as one deployment.
+        self.model_args = (["--model", sim_card(self.profiles[0]).name]
+                           if len(set(self.profiles)) > 1 else [])
         self.time_scale = time_scale
         self.nats_url, self.subject_prefix, self.log_dir = nats_url, subject_prefix, log_dir
 
@@ -198,7 +206,8 @@ class WorkerGroup:
                 argv = [sys.executable, "-m", "prefixmesh.services.cli", "worker", "--http",
                         str(port),
                         "--nats-url", self.nats_url, "--subject-prefix", self.subject_prefix,
-                        "--worker-id", f"w{i}", "--backend", "sim", "--profile", self.profile,
+                        "--worker-id", f"w{i}", "--backend", "sim",
+                        "--profile", self.profiles[i], *self.model_args,
                         "--local-policy", self.local_policy, "--log-level", "WARNING",
                         "--time-scale", str(self.time_scale)]
                 name = f"worker-{self.local_policy}-{i}"
@@ -251,9 +260,10 @@ def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], ser
     """Start ``c`` in front of ``group``'s workers; returns when it serves. ``env``: more
     environment for a prefixmesh mesh's services (e.g. PYTHONPATH of other code)."""
     if c.family == "prefixmesh":
+        # The first worker's profile: the edge serves its model name, as the workers do.
         opts = MeshOptions(
             workers=0, external_workers=group.n, policy=c.policy, local_policy=c.local_policy,
-            profile=group.profile, port=0, metrics_port=0, nats_url=infra["nats"],
+            profile=group.profiles[0], port=0, metrics_port=0, nats_url=infra["nats"],
             redis_url=infra["redis"], subject_prefix=group.subject_prefix,
             log_dir=log_dir / f"mesh-{serial}-{c.name}", log_level="WARNING",
             # A fresh Redis key prefix: the scheduler must not reload an earlier run's tree.
@@ -373,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "converted back to model time (latency / K, throughput x K); the overhead "
                    "probe is skipped unless K = 1")
     p.add_argument("--profile", default="mistral-7b-a6000", help="cost-model profile")
+    p.add_argument("--gpu-profiles", default="",
+                   help="a fleet mixing GPU types: PROFILE:COUNT,... one profile per worker "
+                   "(overrides --workers; prefixmesh's scheduler keeps --profile as default)")
     p.add_argument("--nats-url", default="", help="NATS to use (default: start one)")
     p.add_argument("--redis-url", default="", help="Redis to use (default: start one)")
     p.add_argument("--no-probe", action="store_true", help="skip the overhead probe")
@@ -391,6 +404,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, workload_argv = build_parser().parse_known_args(argv)
     workload_argv = ["--workload", args.workload, *workload_argv]
     rates = parse_floats(args.rates, "--rates")
+    profiles: tuple[str, ...] = ()
+    if args.gpu_profiles:
+        try:
+            profiles = parse_gpu_profiles(args.gpu_profiles)
+        except ValueError as exc:
+            raise SystemExit(f"--gpu-profiles: {exc}") from None
+        args.workers = len(profiles)
     if not args.time_scale > 0:
         raise SystemExit("--time-scale must be positive")
     probe_on = not args.no_probe and args.time_scale == 1.0
@@ -415,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict = {"runs": [], "overhead": [], "meta": {
         "command": "prefixmesh compare " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "left_out": missing, "failures": [],
+        "gpu_profiles": list(profiles),
         "time_scale": args.time_scale, "clients": clients,
         "guidellm": guidellm_version(args.guidellm) if "guidellm" in clients else "",
         "times": "model" if args.time_scale != 1.0 else "wall",
@@ -435,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serial = 0
         for local, group_contenders in by_local.items():
             with WorkerGroup(args.workers, local, args.profile, infra["nats"],
-                             f"cmp{local}", log_dir, args.time_scale) as group:
+                             f"cmp{local}", log_dir, args.time_scale, profiles) as group:
                 model = _model_id(group.urls[0])
                 for ri, rate in enumerate(rates):
                     k = ri % len(group_contenders)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from prefixmesh.loadgen.ideal import IDEAL
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.worker.local import LOCAL_POLICY_CONFIGS, LocalPolicyConfig
@@ -50,8 +51,9 @@ def parse_variant(text: str) -> PolicyVariant:
     label = text.strip()
     name, _, knobs = label.partition(":")
     name = name.strip()
-    if name not in POLICY_NAMES:
-        raise ValueError(f"unknown global policy {name!r} (known: {', '.join(POLICY_NAMES)})")
+    if name not in POLICY_NAMES and name != IDEAL:
+        raise ValueError(f"unknown global policy {name!r} (known: {', '.join(POLICY_NAMES)}; "
+                         f"the simulator also runs {IDEAL})")
     return PolicyVariant(label=label, policy=name,
                          config=_with_knobs(PolicyConfig(), knobs, label))
 

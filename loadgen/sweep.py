@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, pressure_blocks
+from prefixmesh.loadgen.ideal import annotate_ideal
 from prefixmesh.loadgen.options import (
     WorkloadSpec,
     add_workload_args,
@@ -38,7 +39,13 @@ from prefixmesh.loadgen.workloads import WorkloadRequest
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.services.worker.engine.types import SimEngineConfig
 from prefixmesh.services.worker.local import LOCAL_POLICIES
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel, available_profiles
+from prefixmesh.shared.costmodel import (
+    DEFAULT_PROFILE,
+    CostModel,
+    available_profiles,
+    parse_gpu_profiles,
+    profile_counts,
+)
 
 
 def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: ClusterConfig,
@@ -59,6 +66,8 @@ def simulate(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg
                worker_requests=run.worker_requests, preemptions=run.preemptions,
                prefill_tokens=run.prefill_tokens, busy_s=round(run.busy_s, 3),
                predictions=cfg.predictions)
+    if cfg.gpu_profiles:
+        row["gpu_profiles"] = profile_counts(cfg.gpu_profiles)
     row.update(replica_fields(cfg.replicas, sim.policy))
     if cfg.engine_config is not None:
         row.update(max_num_seqs=cfg.engine_config.max_num_seqs,
@@ -76,7 +85,8 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
           progress: bool = True, predictions: str | Sequence[str] = "none",
           trail: TrailPredictions | None = None,
           engine: SimEngineConfig | None = None,
-          replicas: Sequence[ReplicaConfig] = (ReplicaConfig(),)) -> list[dict]:
+          replicas: Sequence[ReplicaConfig] = (ReplicaConfig(),),
+          gpu_profiles: tuple[str, ...] = (), cache_pressure: float = 0.0) -> list[dict]:
     """Every (rate, policy, local policy, predictions) point over the same seeded requests
     and arrivals.
 
@@ -87,6 +97,9 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
     SmolLM2's own (``prefixmesh.loadgen.trail_preds``). ``engine`` overrides the profile's
     engine limits (sequence slots, KV blocks). Each of ``replicas`` (scheduler replicas
     and sync delay) is a point of its own, labelled ``policy@RxDms`` when replicated.
+    ``gpu_profiles``: one profile per worker (a mixed fleet; overrides ``gpus``).
+    ``cache_pressure`` X > 0: each rate's KV blocks per GPU set so its requests' working
+    set is X times the fleet's cache.
     """
     variants = [parse_variant(p) for p in policies]
     local_variants = [parse_local_variant(p) for p in local_policies]
@@ -102,6 +115,11 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
     for rate in rates:
         n = max(1, round(rate * duration_s))
         arrivals = spec.times(rate, n)
+        rate_engine = engine
+        if cache_pressure > 0:
+            blocks = pressure_blocks(requests[:n], len(gpu_profiles) or gpus, cache_pressure)
+            rate_engine = SimEngineConfig(
+                max_num_seqs=engine.max_num_seqs if engine else None, num_blocks=blocks)
         for v in variants:
             runs = [(local, m) for local in local_variants
                     for m in (["none"] if local.policy in PREDICTION_BLIND else modes)]
@@ -109,11 +127,14 @@ def sweep(spec: WorkloadSpec, gpus: int, rates: Sequence[float], policies: Seque
                 cfg = ClusterConfig(gpus=gpus, policy=v.policy, local_policy=lv.policy,
                                     local_config=lv.config, profile=profile,
                                     policy_config=v.config, predictions=mode, trail=trail,
-                                    engine_config=engine, replicas=rc)
+                                    engine_config=rate_engine, replicas=rc,
+                                    gpu_profiles=gpu_profiles)
                 label = replica_label(v.label, rc)
                 row = simulate(requests[:n], arrivals, cfg, spec.workload, rate, label,
                                lv.label)
                 row["seed"] = spec.seed
+                if cache_pressure > 0:
+                    row["cache_pressure"] = cache_pressure
                 rows.append(row)
                 if progress:
                     print(f"  {spec.workload} rate={rate:g} {label}/{lv.label} ({mode}): "
@@ -127,17 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixmesh sim",
         description="Virtual-time cluster simulation: the real global and local policies "
-        "against simulated GPUs, in one process. Writes the result schema of `bench`.")
+        "against simulated GPUs, in one process. Writes the result schema of `bench`. "
+        "`prefixmesh sim --suite family|quick` runs the placement suite instead "
+        "(loadgen/suite.py).")
     p.add_argument("--gpus", type=int, default=4, help="simulated GPUs (workers)")
     add_workload_args(p)
     p.add_argument("--rates", required=True, help="comma-separated request rates (req/s)")
     p.add_argument("--policies", default="round_robin,e2",
-                   help=f"global policies: {', '.join(POLICY_NAMES)}; a policy may take "
+                   help=f"global policies: {', '.join(POLICY_NAMES)}, and ideal (the "
+                   "reference no router reaches: loadgen/ideal.py); a policy may take "
                    "PolicyConfig knobs, e.g. e2:th_bal=inf,replicate_max_workers=1")
     p.add_argument("--local-policies", default="prefix_fair",
                    help=f"local policies: {', '.join(LOCAL_POLICIES)}; a policy may take its "
                    "config's knobs, e.g. sprpt_limited:preempt_fraction=0")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
+    p.add_argument("--gpu-profiles", default="",
+                   help="a fleet mixing GPU types: PROFILE:COUNT,... (e.g. "
+                   "mistral-7b-a100:2,mistral-7b-a6000:2), one profile per worker; overrides "
+                   "--gpus. The policies keep --profile as their default cost model")
     p.add_argument("--predictions", default="none",
                    help="output-length predictions on requests (for sprpt_limited), one or "
                    "a comma list of: none; oracle = each request's real output length; "
@@ -152,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks of 16 tokens per simulated GPU (default: the profile's "
                    "KV capacity)")
+    p.add_argument("--cache-pressure", type=float, default=0.0,
+                   help="X > 0: KV blocks per GPU set so the working set (distinct prompt "
+                   "blocks of each rate's requests) is X times the fleet's cache (2-4: a "
+                   "cache-pressure test); overrides --num-blocks")
     p.add_argument("--duration", type=float, default=120.0,
                    help="seconds of arrivals per run (requests = rate x duration)")
     add_replica_args(p)
@@ -160,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--suite" or a.startswith("--suite=") for a in argv):
+        from prefixmesh.loadgen.suite import main as suite_main  # the suite runs sweeps
+
+        return suite_main(argv)
     args = build_parser().parse_args(argv)
     if args.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
@@ -171,6 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parse_local_variant(p)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        fleet = parse_gpu_profiles(args.gpu_profiles) if args.gpu_profiles else ()
+    except ValueError as exc:
+        raise SystemExit(f"--gpu-profiles: {exc}") from None
     modes = parse_names(args.predictions)
     bad = [m for m in modes if m not in PREDICTION_MODES]
     if bad:
@@ -191,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
                  policies, locals_, args.profile, args.duration,
                  predictions=modes, trail=trail, engine=engine,
-                 replicas=replica_configs(args))
+                 replicas=replica_configs(args), gpu_profiles=fleet,
+                 cache_pressure=args.cache_pressure)
+    annotate_ideal(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"runs": rows}, indent=1))
     print(f"wrote {len(rows)} runs to {args.json}")

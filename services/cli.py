@@ -27,6 +27,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from prefixmesh.shared.runtime.config import from_sources
 
     opts = from_sources(MeshOptions, args)
+    if opts.gpu_profiles:
+        from prefixmesh.shared.costmodel import parse_gpu_profiles
+
+        try:
+            parse_gpu_profiles(opts.gpu_profiles)
+        except ValueError as exc:
+            print(f"--gpu-profiles: {exc}", file=sys.stderr)
+            return 2
     if opts.workers < 1:
         print("--workers must be at least 1", file=sys.stderr)
         return 2

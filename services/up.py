@@ -25,7 +25,11 @@ from urllib.parse import urlparse
 from prefixmesh.services.scheduler.policies import DEFAULT_POLICY
 from prefixmesh.services.worker.engine.registry import BACKENDS
 from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
+from prefixmesh.shared.costmodel import (
+    DEFAULT_PROFILE,
+    available_profiles,
+    parse_gpu_profiles,
+)
 from prefixmesh.shared.models import card_for
 from prefixmesh.shared.runtime.config import option
 from prefixmesh.shared.runtime.servers import (
@@ -75,6 +79,11 @@ class MeshOptions:
                                choices=LOCAL_POLICIES)
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPUs",
                           choices=tuple(available_profiles()))
+    gpu_profiles: str = option("", "a fleet mixing GPU types: PROFILE:COUNT,... (e.g. "
+                               "mistral-7b-a100:2,mistral-7b-a6000:2), one profile per sim "
+                               "worker; overrides --workers. The scheduler keeps --profile "
+                               "as its default and prices each worker by the profile its "
+                               "load reports name")
     host: str = option("127.0.0.1", "edge and metrics listen address")
     port: int = option(8000, "edge port (0 = any free port)")
     metrics_port: int = option(9100, "metrics service port (0 = any free port)")
@@ -132,6 +141,11 @@ class LocalMesh:
             opts.port = free_port()
         if opts.metrics_port == 0:
             opts.metrics_port = free_port()
+        # One profile per own worker; a mixed fleet serves one model name (the first
+        # profile's), so the edge sees a single model behind all of them.
+        self.worker_profiles = (parse_gpu_profiles(opts.gpu_profiles) if opts.gpu_profiles
+                                else (opts.profile,) * opts.workers)
+        opts.workers = len(self.worker_profiles)
 
     @property
     def url(self) -> str:
@@ -214,11 +228,18 @@ class LocalMesh:
         for i in range(o.schedulers):
             self._spawn("scheduler", _replica_name("scheduler", i),
                         PM_POLICY=o.policy, PM_PROFILE=o.profile)
-        for first, ids in worker_groups(o.workers, o.workers_per_process, o.backend):
+        served = card_for(o.backend, self.worker_profiles[0] if o.workers else o.profile)
+        mixed = len(set(self.worker_profiles)) > 1
+        same = ({"PM_MODEL": served.name} if served is not None and o.backend == "sim"
+                and mixed else {})
+        # A process's engines share one profile: a mixed fleet runs one worker per process.
+        per_process = 1 if mixed else o.workers_per_process
+        for first, ids in worker_groups(o.workers, per_process, o.backend):
             who = {"PM_WORKER_ID": ids[0]} if len(ids) == 1 else {"PM_WORKER_IDS": ",".join(ids)}
             self._spawn("worker", f"worker-{first}", **who, PM_BACKEND=o.backend,
-                        PM_PROFILE=o.profile, PM_LOCAL_POLICY=o.local_policy)
-        served = card_for(o.backend, o.profile)  # what the workers serve, if known here
+                        PM_PROFILE=self.worker_profiles[first],
+                        PM_LOCAL_POLICY=o.local_policy, **same)
+        # served: what the workers serve, if known here
         models = ({"PM_MODELS": served.name}
                   if served is not None and "PM_MODELS" not in o.extra_env else {})
         if o.nats_cluster > 1:  # the Batch API's bucket survives a node, as routing does

@@ -199,3 +199,38 @@ def _load_cached(name_or_path: str) -> CostModel:
 def available_profiles() -> list[str]:
     """Names of the profiles shipped in ``shared/profiles``."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def parse_gpu_profiles(text: str) -> tuple[str, ...]:
+    """``PROFILE:COUNT,...`` (``mistral-7b-a100:2,mistral-7b-a6000:2``) as one profile name
+    per worker, in order; a bare ``PROFILE`` counts 1. Raises ValueError on an unknown
+    profile or a count below 1."""
+    out: list[str] = []
+    for part in text.split(","):
+        name, _, count = part.strip().partition(":")
+        if not name:
+            continue
+        if name not in available_profiles():
+            known = ", ".join(available_profiles())
+            raise ValueError(f"unknown cost-model profile {name!r} (known: {known})")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ValueError(f"bad GPU count in {part.strip()!r}") from None
+        if n < 1:
+            raise ValueError(f"GPU count must be at least 1 in {part.strip()!r}")
+        out.extend([name] * n)
+    if not out:
+        raise ValueError("no GPU profiles given")
+    return tuple(out)
+
+
+def profile_counts(profiles: Iterable[str]) -> str:
+    """The ``PROFILE:COUNT,...`` text of per-worker profiles (runs of one profile merged)."""
+    runs: list[list] = []
+    for p in profiles:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return ",".join(f"{p}:{n}" for p, n in runs)

@@ -363,6 +363,9 @@ class LoadReportEvent(_Msg):
     # Steps executed over the last window and mean step duration (seconds).
     steps: int = 0
     avg_step_s: float = 0.0
+    # The worker's cost-model profile (shared/profiles): E2 prices its GPU time with it,
+    # so a fleet that mixes GPUs is priced per GPU. Empty: the scheduler's own profile.
+    profile: str = ""
     # Id of the engine instance, new at every engine start ("": not told, an older
     # worker): another id under the same worker id means the engine restarted, its cache
     # empty, before its first KV event says anything.

@@ -56,7 +56,7 @@ CREDIT_PROFILE_MIN = 40_000
 CREDIT_PROFILE_MAX = 60_000
 
 
-def _window(stream: list[int], start: int, n: int) -> list[int]:
+def token_window(stream: list[int], start: int, n: int) -> list[int]:
     """``n`` tokens of ``stream`` from ``start``, wrapping around its end."""
     out: list[int] = []
     while len(out) < n:
@@ -71,7 +71,7 @@ def _profiles(kind: str, seed: int, lengths: list[int]) -> list[list[int]]:
     out = []
     for u, n in enumerate(lengths):
         start = random.Random(stable_seed(kind, "profile", seed, u)).randrange(len(stream))
-        out.append(_window(stream, start, n))
+        out.append(token_window(stream, start, n))
     return out
 
 
@@ -94,7 +94,7 @@ def build_postrec(count: int, seed: int, opts: WorkloadOptions) -> list[Workload
         if u not in shared:
             shared[u] = head + profiles[u] + post_open
         start = random.Random(stable_seed("postrec", "post", seed, u, k)).randrange(len(stream))
-        post = _window(stream, start, POST_TOKENS)
+        post = token_window(stream, start, POST_TOKENS)
         out.append(WorkloadRequest(prompt=shared[u] + post + question, max_tokens=1,
                                    prefix_id=f"user{u}", output_len=1, tenant=opts.tenant,
                                    shared_tokens=len(shared[u])))

@@ -350,7 +350,8 @@ class WorkerService:
             PREEMPTIONS.labels(self.worker_id).inc(stats.preemptions - self._preemptions)
             self._preemptions = stats.preemptions
             report = load_report(self.worker_id, stats, time.time(), self.cfg.backend,
-                                 self.model.name, self.kv_seq, self.engine_id)
+                                 self.model.name, self.kv_seq, self.cfg.profile,
+                                 self.engine_id)
             await bus.publish(bus.subjects.load(self.worker_id), report)
             await asyncio.sleep(self.cfg.load_interval_s)
 

@@ -25,8 +25,9 @@ from prefixmesh.loadgen.workloads.registry import mix_counts
 from prefixmesh.loadgen.workloads.sources import loogle_documents, nextqa_data
 from prefixmesh.loadgen.workloads.videoqa import video_tokens
 
-ALL = ("toolbench", "embodied", "programming", "videoqa", "loogle", "sharegpt", "postrec",
-       "creditver", "batch")
+ALL = ("toolbench", "embodied", "programming", "videoqa", "loogle", "sharegpt", "multiturn",
+       "lowshare",
+       "postrec", "creditver", "batch")
 
 
 def _groups(reqs: list[WorkloadRequest], key: str) -> dict[str, list[WorkloadRequest]]:

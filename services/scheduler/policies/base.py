@@ -95,6 +95,13 @@ class PolicyConfig:
     # it on, P/D balancing also skips a decode-heavy worker that still has a backlog (its
     # report's decode share lags). 0 turns both off (docs/sim-results.md: loogle).
     prefill_backlog_weight: float = 1.0
+    # The load term of the cost: True prices the queueing delay the window's work implies,
+    # ``min(L, u / (1 - u) x L / n)`` with ``u = L / H`` the worker's utilisation and
+    # ``L / n`` its mean work per request (M/M/1); False prices ``L`` itself (Preble). ``L``
+    # is minutes of past work next to a prefill of milliseconds, so it outweighs what a
+    # request would miss or how fast the GPU is until utilisation is near 1
+    # (docs/sim-results.md: placement suite).
+    load_wait: bool = True
     # Interference in the load cost: + this x P(R's missed tokens) x the worker's running
     # sequences (latest load report): under chunked prefill R's prefill delays each of
     # them by about P (docs/sim-results.md: loogle, programming). 0 turns it off.

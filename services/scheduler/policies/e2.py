@@ -21,6 +21,7 @@ event arrives; KV events then confirm or evict.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Collection, Mapping
 from operator import attrgetter
@@ -46,6 +47,7 @@ from prefixmesh.shared.wire import (
 )
 
 _LOAD = attrgetter("L")
+log = logging.getLogger(__name__)
 
 
 class E2Policy:
@@ -70,6 +72,7 @@ class E2Policy:
         self.price = LoadCost(self.tree, self.tables)
         self.price.backlog_weight = config.prefill_backlog_weight
         self.price.interference = config.interference_weight
+        self.price.wait_window = config.window_s if config.load_wait else 0.0
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
@@ -81,6 +84,8 @@ class E2Policy:
         self._affinity_sat = config.affinity_saturated_ratio
         self._step_weight = config.decode_step_weight
         self._aging = config.inflight_aging
+        # Cost tables per profile named in load reports (a fleet mixing GPU types).
+        self._profile_tables: dict[str, CostTables] = {cost.name: self.tables}
 
     # ------------------------------------------------------------------ membership
 
@@ -434,7 +439,7 @@ class E2Policy:
         over = tree.worker_blocks[ws.id] - ws.capacity_blocks
         if over > 0:
             tree.evict_lru(ws.id, over, protect=leaf)
-        prefill = self.tables.pt(prompt - got * self.block)
+        prefill = (ws.tables or self.tables).pt(prompt - got * self.block)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
         self.window.add(now, ws, leaf, req.request_id, prefill, prompt, out)
 
@@ -460,11 +465,27 @@ class E2Policy:
         ws.avg_step_s = report.avg_step_s
         ws.avg_queue_s = report.avg_queue_s
         ws.running = report.running
+        if report.profile != ws.profile:
+            self._set_profile(ws, report.profile)
         if report.decode_share > self.cfg.imbalance_ratio:
             self._decode_heavy.add(ws.id)
         else:
             self._decode_heavy.discard(ws.id)
         ws.queue.add(now, report.avg_queue_s)
+
+    def _set_profile(self, ws: WorkerState, profile: str) -> None:
+        """Price ``ws``'s GPU time with ``profile`` (unknown or empty: the policy's own)."""
+        ws.profile = profile
+        tables = self._profile_tables.get(profile)
+        if tables is None and profile:
+            try:
+                tables = CostTables(CostModel.load(profile), self.cfg.dt_batch_size)
+            except ValueError:
+                log.warning("worker %s: unknown profile %r, priced as %s", ws.id, profile,
+                            self.cost.name)
+            else:
+                self._profile_tables[profile] = tables
+        ws.tables = None if tables is self.tables else tables
 
     def on_done(self, done: RequestDoneEvent, now: float) -> None:
         """Real output length into the window average and the request's L; queueing time."""

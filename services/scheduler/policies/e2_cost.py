@@ -14,6 +14,9 @@
 - Interference (default 0.5): weight x P x the worker's running sequences (latest
   load report). Under chunked prefill, R's prefill lengthens every step of the requests
   already decoding there, each by about P in total.
+- Per-worker GPU: every term is in seconds of the worker's own GPU, priced with its own
+  profile (``WorkerState.tables``, from its load reports), so in a fleet that mixes GPU
+  types a fast GPU's ``L`` and ``P`` are smaller for the same work.
 - Decode pressure (added to ``L``; not in Preble's formula): R's expected output tokens
   x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
   prices decode as the marginal cost of one more sequence in a batch, which makes a worker
@@ -46,6 +49,20 @@ class LoadCost:
         self.now = 0.0
         # Interference term: weight x P x the worker's running sequences.
         self.interference = 0.0
+        # Load term: the queueing delay ``L`` implies (window ``H`` seconds), or 0: ``L``.
+        self.wait_window = 0.0
+
+    def load(self, ws: WorkerState) -> float:
+        """The load term of ``ws``: ``L``, or the queueing delay it implies (M/M/1 at the
+        window's utilisation ``u = L / H``, capped by ``L``)."""
+        h = self.wait_window
+        if not h or ws.n <= 0:
+            return ws.L
+        u = ws.L / h
+        if u >= 1.0:
+            return ws.L
+        w = u / (1.0 - u) * ws.L / ws.n
+        return w if w < ws.L else ws.L
 
     def begin(self, node: Node) -> None:
         """Start pricing a request whose match ends in ``node``."""
@@ -55,15 +72,15 @@ class LoadCost:
     def terms(self, ws: WorkerState, cached_blocks: int, prompt: int) -> tuple[float, float, float]:
         """``(L, M, P)`` of the request on ``ws`` given the blocks of it ``ws`` caches."""
         missing = prompt - cached_blocks * self.block
-        return ws.L, self.evict_cost(ws, missing), self.tables.pt(missing)
+        return self.load(ws), self.evict_cost(ws, missing), (ws.tables or self.tables).pt(missing)
 
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
         missing = prompt - cached_blocks * self.block
-        p = self.tables.pt(missing)
+        p = (ws.tables or self.tables).pt(missing)
         if self.interference:
             p += self.interference * p * ws.running
-        c = ws.L + ws.step_s * self.out + p + self.evict_cost(ws, missing)
+        c = self.load(ws) + ws.step_s * self.out + p + self.evict_cost(ws, missing)
         if self.backlog_weight and ws.busy_until > self.now:
             c += self.backlog_weight * (ws.busy_until - self.now)
         return c
@@ -77,7 +94,7 @@ class LoadCost:
         path = self.path
         if path is None:  # R's own path: computed once per decision, only when needed
             path = self.path = set(self.tree.path(self.node))
-        pt = self.tables.pt
+        pt = (ws.tables or self.tables).pt
         block = self.block
         freed = 0
         m = 0.0
@@ -99,25 +116,28 @@ class LoadCost:
         """Index and cost of the argmin of ``L + M + P`` over ``workers`` (``cached[i]`` =
         blocks of the request ``workers[i]`` caches); the earliest wins ties.
 
-        Branch and bound: ``L + P`` is a lower bound (M >= 0), so M, the one term that walks
+        Branch and bound: load + ``P`` is a lower bound (M >= 0), so M, the one term that walks
         an LRU list, is computed only for workers whose bound beats the best cost so far.
         """
-        pt = self.tables.pt
+        default = self.tables
         block = self.block
-        p_of: dict[int, float] = {}  # P by cached blocks: most workers share a few values
+        # P by (cost tables, cached blocks): most workers share a few values.
+        p_of: dict[tuple[CostTables, int], float] = {}
         bounds = []
         out = self.out
         bw, now = self.backlog_weight, self.now
         iw = self.interference
+        load = self.load
         for ws, got in zip(workers, cached):
-            p = p_of.get(got)
+            tables = ws.tables or default
+            p = p_of.get((tables, got))
             if p is None:
-                p = p_of[got] = pt(prompt - got * block)
+                p = p_of[tables, got] = tables.pt(prompt - got * block)
             if iw:
                 p += iw * p * ws.running
             if bw and ws.busy_until > now:
                 p += bw * (ws.busy_until - now)
-            bounds.append(ws.L + ws.step_s * out + p)
+            bounds.append(load(ws) + ws.step_s * out + p)
         first = bounds.index(min(bounds))
         best_i = first
         best = bounds[first] + self.evict_cost(workers[first], prompt - cached[first] * block)

@@ -89,10 +89,16 @@ class WorkerState:
         "running",
         "queue",
         "alive",
+        "profile",
+        "tables",
     )
 
     def __init__(self, worker_id: str, capacity_blocks: int) -> None:
         self.id = worker_id
+        # The worker's own cost-model profile (its load reports name it) and PT/DT tables
+        # from it; None: the policy's default tables (a fleet of one GPU type).
+        self.profile = ""
+        self.tables: CostTables | None = None
         # KV capacity in blocks (the scheduler's cache model evicts beyond it).
         self.capacity_blocks = capacity_blocks
         # Windowed estimated GPU work (seconds) and requests in the window.
@@ -174,7 +180,7 @@ class LoadWindow:
         out_est: float,
     ) -> WindowEntry:
         """Assign a request: ``L += PT(missed) + DT(context) * output`` (GPU seconds)."""
-        dt_tok = self.tables.dt(context_tokens)
+        dt_tok = (ws.tables or self.tables).dt(context_tokens)
         cost = prefill_s + dt_tok * out_est
         e = WindowEntry(now, ws, cost, leaf, rid, dt_tok, out_est)
         self.entries.append(e)

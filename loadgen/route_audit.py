@@ -1,0 +1,91 @@
+"""Audit a policy's routing decisions against the simulated GPUs' real caches.
+
+``python -m prefixmesh.loadgen.route_audit --workload toolbench --cache-pressure 3
+--rate 54.72 --duration 10 --policies e2,cache_aware`` runs each policy once in the
+simulator and classifies every decision by three questions, printing the counts:
+
+- does any GPU really cache at least half of the prompt at that instant (``somewhere``)
+  or none (``nowhere``);
+- if somewhere, did the request go to the GPU caching most of it (``to_holder``);
+- has the request's prefix (``prefix_id``) been sent anywhere before (``first``), and is
+  the chosen GPU one it went to before (``back_home``) or not (``new_home``).
+
+A ``new_home`` decision puts a prefix's KV on one more GPU: under cache pressure that
+copy evicts something else. This is how the suite's cache-pressure loss was read
+(docs/sim-results.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Sequence
+
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, pressure_blocks
+from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_names
+from prefixmesh.loadgen.policy_variants import parse_variant
+from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
+from prefixmesh.services.worker.engine.types import SimEngineConfig
+
+
+def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: float,
+          pressure: float) -> tuple[Counter, float, float]:
+    """Decision classes, mean latency (s) and cache hit ratio of one simulated run."""
+    n = max(1, round(rate * duration_s))
+    reqs = spec.requests(n)
+    engine = (SimEngineConfig(num_blocks=pressure_blocks(reqs, gpus, pressure))
+              if pressure > 0 else None)
+    v = parse_variant(policy)
+    sim = ClusterSim(ClusterConfig(gpus=gpus, policy=v.policy, policy_config=v.config,
+                                   engine_config=engine))
+    prefix_of = {f"r{i}": r.prefix_id for i, r in enumerate(reqs)}
+    homes: dict[str, set[str]] = {}
+    classes: Counter = Counter()
+    route = sim.policy.route
+
+    def audited(req: RouteInput, now: float) -> Decision:
+        d = route(req, now)
+        held = {w: e.cache.cached_prefix_tokens(req.block_hashes)
+                for w, e in sim.engines.items()}
+        most = max(held.values())
+        where = "somewhere" if 2 * most >= req.prompt_tokens else "nowhere"
+        to = "to_holder" if where == "somewhere" and held[d.worker_id] == most else "elsewhere"
+        seen = homes.setdefault(prefix_of[req.request_id], set())
+        home = "first" if not seen else "back_home" if d.worker_id in seen else "new_home"
+        seen.add(d.worker_id)
+        classes[(d.kind, where, to, home)] += 1
+        return d
+
+    sim.policy.route = audited  # type: ignore[method-assign]
+    run = sim.run(reqs, spec.times(rate, n))
+    done = [r for r in run.results if r.ok]
+    hit = sum(r.cached_tokens for r in done) / max(sum(r.prompt_tokens for r in done), 1)
+    return classes, statistics.mean(r.latency_s for r in done), hit
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefixmesh.loadgen.route_audit",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_workload_args(p)
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--rate", type=float, required=True, help="requests per second")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
+    p.add_argument("--cache-pressure", type=float, default=0.0)
+    p.add_argument("--policies", default="e2,cache_aware")
+    args = p.parse_args(argv)
+    spec = WorkloadSpec.from_args(args)
+    for policy in parse_names(args.policies):
+        classes, avg, hit = audit(spec, policy, args.gpus, args.rate, args.duration,
+                                  args.cache_pressure)
+        print(f"{policy}: avg {avg:.3f} s, hit ratio {hit:.1%}")
+        for key, count in sorted(classes.items()):
+            print(f"  {' / '.join(key):55s} {count}")
+        new = sum(c for k, c in classes.items() if k[3] == "new_home")
+        print(f"  new homes: {new} of {sum(classes.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
