@@ -73,8 +73,11 @@ class Bus:
         self._reply_lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, url: str, subjects: Subjects, name: str) -> Bus:
-        """Connect with reconnect-forever settings; fails if the first connect fails."""
+    async def connect(cls, url: str, subjects: Subjects, name: str, echo: bool = True) -> Bus:
+        """Connect with reconnect-forever settings; fails if the first connect fails.
+
+        ``echo=False``: the server never delivers this connection's own messages back to
+        it (a scheduler replica publishes its decisions for the others, not for itself)."""
 
         closing: list[bool] = []
 
@@ -100,6 +103,7 @@ class Bus:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            no_echo=not echo,
         )
         return cls(nc, subjects, closing)
 
@@ -111,9 +115,11 @@ class Bus:
         """Fire-and-forget publish of one message."""
         await self.nc.publish(subject, encode(msg))
 
-    async def request(self, subject: str, msg: msgspec.Struct,
+    async def request(self, subject: str, msg: msgspec.Struct | Callable[[str], bytes],
                       decoder: msgspec.msgpack.Decoder[T], timeout: float) -> T:
-        """Send a request and decode the reply; raises ``BusUnavailable`` when unanswered."""
+        """Send a request and decode the reply; raises ``BusUnavailable`` when unanswered.
+        ``msg`` may be a function of the reply subject that returns the payload (a request
+        that names where a third party is to answer it)."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Msg | None] = loop.create_future()
 
@@ -121,18 +127,19 @@ class Bus:
             if not answer.done():  # the caller may have been cancelled meanwhile
                 answer.set_result(m)
 
-        token = await self.send_request(subject, encode(msg), timeout, on_reply)
+        payload = encode(msg) if isinstance(msg, msgspec.Struct) else msg
+        token = await self.send_request(subject, payload, timeout, on_reply)
         try:
             reply = await answer
         finally:
             self.forget(token)
         return decoder.decode(reply_data(reply, subject, timeout))
 
-    async def send_request(self, subject: str, payload: bytes, timeout: float,
-                           on_reply: OnReply) -> str:
+    async def send_request(self, subject: str, payload: bytes | Callable[[str], bytes],
+                           timeout: float, on_reply: OnReply) -> str:
         """Publish a request; ``on_reply`` is called once, with the reply (an awaitable it
-        returns is awaited) or with None after ``timeout`` seconds. Returns the request's
-        token (for ``forget``)."""
+        returns is awaited) or with None after ``timeout`` seconds. ``payload`` may be a
+        function of the reply subject. Returns the request's token (for ``forget``)."""
         if not self.nc.is_connected:
             raise BusUnavailable(f"not connected to NATS (request on {subject})")
         prefix = self._reply_prefix or await self._reply_inbox()
@@ -140,7 +147,9 @@ class Bus:
         timer = asyncio.get_running_loop().call_later(timeout, self._expire, token)
         self._waiting[token] = (on_reply, timer)
         try:
-            await self.nc.publish(subject, payload, reply=prefix + token)
+            reply = prefix + token
+            data = payload if isinstance(payload, bytes) else payload(reply)
+            await self.nc.publish(subject, data, reply=reply)
         except BaseException:
             self.forget(token)
             raise
@@ -219,27 +228,33 @@ class Bus:
     async def serve(self, subject: str, decoder: msgspec.msgpack.Decoder[T],
                     handler: Callable[[T], Awaitable[msgspec.Struct]],
                     on_malformed: Callable[[str], msgspec.Struct],
-                    queue: str = "") -> Subscription:
+                    queue: str = "", answer_to: Callable[[T], str] | None = None
+                    ) -> Subscription:
         """Answer requests on ``subject``: decode, call ``handler``, reply with its Struct.
 
         A payload that does not decode gets ``on_malformed(reason)`` as its reply, so the
-        caller sees an error at once instead of a timeout.
+        caller sees an error at once instead of a timeout. ``answer_to(request)``, when it
+        names a subject, is where the answer goes instead of the message's reply subject
+        (a request relayed by a third party names its first sender's inbox: the answer
+        skips the relay).
         """
 
         async def on_msg(m: Msg) -> None:
+            target = m.reply
             try:
                 decoded = decoder.decode(m.data)
             except msgspec.DecodeError as exc:
                 reply = on_malformed(f"malformed request: {exc}")
             else:
+                target = (answer_to(decoded) if answer_to is not None else "") or m.reply
                 try:
                     reply = await handler(decoded)
                 except Exception as exc:
                     log.exception("request handler failed on %s", m.subject)
                     reply = on_malformed(f"internal error: {type(exc).__name__}")
-            if m.reply:
+            if target:
                 try:
-                    await m.respond(encode(reply))
+                    await self.nc.publish(target, encode(reply))
                 except Exception as exc:  # connection lost mid-reply: the caller retries
                     log.warning("could not reply on %s: %s", m.subject, exc)
 

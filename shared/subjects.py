@@ -3,6 +3,7 @@ that tests and several clusters can share one NATS server; no other module spell
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 DEFAULT_PREFIX = "pm"
@@ -84,9 +85,20 @@ class Subjects:
     def stream_reply(self, edge_id: str, request_id: str) -> str:
         return self._per("stream", edge_id, _token(request_id))
 
+    def stream_batch(self, edge_id: str) -> str:
+        """Where a worker sends one edge the stream events of several of its requests in
+        one message (``StreamBatch``); under ``stream_inbox``, so the same subscription
+        reads it (events name their request)."""
+        return self._per("stream", edge_id, "_batch")
+
+
+# What a subject token must not hold: dots, wildcards, whitespace.
+_NOT_IN_TOKEN = re.compile(r"[. *>\t\r\n]")
+
 
 def _token(part: str) -> str:
-    """Validate one subject token (no dots, wildcards or whitespace)."""
-    if not part or any(c in part for c in ". *>\t\r\n"):
+    """Validate one subject token (no dots, wildcards or whitespace); checked for every
+    request's stream subject, so one regex search rather than a scan per character."""
+    if not part or _NOT_IN_TOKEN.search(part):
         raise ValueError(f"invalid subject token {part!r}")
     return part

@@ -169,6 +169,18 @@ class TokenizedRequest(_Msg):
     created: float = 0.0
     # Workers the edge already tried for this request (retry after a failure).
     exclude: list[str] = []
+    # Where the worker sends its SubmitReply instead of the message's own reply subject
+    # ("" = there): on ``sched.place``, the edge's inbox, so the acknowledgement goes
+    # straight back to the edge while the scheduler's relay only turns "no responders"
+    # (the worker gone from the bus) into a refusal.
+    ack_to: str = ""
+    # The edge reads ``RequestDoneEvent.last``: the worker may put the last chunk inside the
+    # done event (False: an edge from before it, which gets every chunk on its own).
+    done_carries_last: bool = False
+    # Where the worker may send this request's stream events together with those of the
+    # edge's other requests ready at the same time (``StreamBatch``); "" = each event on
+    # its own to ``reply_to``.
+    stream_batch_to: str = ""
 
 
 class RouteReply(_Msg):
@@ -290,9 +302,31 @@ class RequestDoneEvent(_Msg):
     error: ErrorInfo | None = None
     # True when no model ran (the sim backend): tokens and log-probabilities are simulated.
     simulated: bool = False
+    # On the stream only: the request's last chunk, carried by its done event (one message
+    # fewer; a one-token request is then one message). The edge reads it as the chunk
+    # that precedes the done event; never set on ``done``.
+    last: GenerateChunkEvent | None = None
 
 
 StreamEvent = GenerateChunkEvent | RequestDoneEvent
+
+
+class StreamBatch(_Msg):
+    """Stream events of several of one edge's requests that a worker had ready at once
+    (one engine step), in order, in one message (``TokenizedRequest.stream_batch_to``):
+    one message per edge and step instead of one per event."""
+
+    events: list[StreamEvent]
+
+
+StreamMessage = StreamEvent | StreamBatch
+
+
+class RequestDoneBatch(_Msg):
+    """The completion records one worker had ready at once (subject ``done``; a single
+    record goes as itself): one message per engine step instead of one per request."""
+
+    events: list[RequestDoneEvent]
 
 
 # ------------------------------------------------------------------ KV events (vLLM schema)
@@ -454,7 +488,7 @@ class RoutingDecisionsEvent(_Msg):
 
 
 BusEvent = (KvEventBatch | LoadReportEvent | RequestDoneEvent | BatchProgressEvent
-            | SchedulerStatsEvent | RoutingDecisionsEvent)
+            | SchedulerStatsEvent | RoutingDecisionsEvent | RequestDoneBatch)
 
 
 # --------------------------------------------------------------------------- codecs
@@ -475,7 +509,7 @@ ROUTE_BATCH_REPLY: _Decoder[RouteReply | RouteBatchReply] = _Decoder(RouteReply 
 PLACE_REQUEST = _Decoder(TokenizedRequest)
 WORKER_REQUEST: _Decoder[WorkerRequest] = _Decoder(WorkerRequest)
 SUBMIT_REPLY = _Decoder(SubmitReply)
-STREAM_EVENT: _Decoder[StreamEvent] = _Decoder(StreamEvent)
+STREAM_EVENT: _Decoder[StreamMessage] = _Decoder(StreamMessage)
 BUS_EVENT: _Decoder[BusEvent] = _Decoder(BusEvent)
 
 

@@ -55,6 +55,7 @@ from prefixmesh.shared.wire import (
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
+    encode,
     route_message,
     route_replies,
 )
@@ -147,6 +148,8 @@ class MeshClient:
         # Monotonic time until which ``sched.place`` is not tried (PLACE_BACKOFF_S).
         self._place_off_until = 0.0
         self.placed = 0  # requests the scheduler handed to their worker itself
+        # Where workers send this edge several of its requests' stream events at once.
+        self._stream_batch = bus.subjects.stream_batch(edge_id)
 
     async def __aenter__(self) -> MeshClient:
         if self.shortcuts.route_batch.max_batch == 1:
@@ -291,8 +294,17 @@ class MeshClient:
         if it did not take the request, why. Unanswered (no scheduler serves the subject,
         or the worker it chose is gone), the request takes the two steps, which tell
         those apart, and so do the next ones for ``PLACE_BACKOFF_S``."""
+        def placing(inbox: str) -> bytes:
+            # The worker acknowledges to our inbox itself; the scheduler's relay only
+            # answers for a worker gone from the bus.
+            req.ack_to = inbox
+            try:
+                return encode(req)
+            finally:
+                req.ack_to = ""
+
         try:
-            ack = await self.bus.request(self.bus.subjects.place, req, SUBMIT_REPLY,
+            ack = await self.bus.request(self.bus.subjects.place, placing, SUBMIT_REPLY,
                                          self.timeouts.route_s + self.timeouts.submit_s)
         except BusUnavailable as exc:
             log.info("placing through the scheduler failed (%s); routing, then submitting",
@@ -337,7 +349,8 @@ class MeshClient:
                 reply_to=self.bus.subjects.stream_reply(self.edge_id, wire_id),
                 tenant=tenant, predicted_output=predicted, batch_id=batch_id,
                 created=time.time(), deadline=deadline, predicted_distribution=distribution,
-                exclude=list(lost),
+                exclude=list(lost), done_carries_last=True,
+                stream_batch_to=self._stream_batch,
             )
             queue = self.streams.open(wire_id)
             worker_id = ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from prefixmesh.shared.wire import StreamEvent
+from prefixmesh.shared.wire import RequestDoneEvent, StreamBatch, StreamEvent, StreamMessage
 
 
 class EventQueue:
@@ -59,7 +59,16 @@ class StreamDispatcher:
     def __len__(self) -> int:
         return len(self._queues)
 
-    async def on_event(self, event: StreamEvent) -> None:
+    async def on_event(self, msg: StreamMessage) -> None:
+        if isinstance(msg, StreamBatch):  # events of several requests, in order
+            for event in msg.events:
+                self._put(event)
+        else:
+            self._put(msg)
+
+    def _put(self, event: StreamEvent) -> None:
         q = self._queues.get(event.request_id)
         if q is not None:  # late events of an aborted/finished request are dropped
+            if isinstance(event, RequestDoneEvent) and event.last is not None:
+                q.put_nowait(event.last)  # the last chunk, carried by the done event
             q.put_nowait(event)

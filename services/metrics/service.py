@@ -28,6 +28,7 @@ from prefixmesh.shared.wire import (
     BUS_EVENT,
     BatchProgressEvent,
     LoadReportEvent,
+    RequestDoneBatch,
     RequestDoneEvent,
     SchedulerStatsEvent,
 )
@@ -104,6 +105,8 @@ class MetricsService:
         self.view = ClusterView()
         self.port = cfg.port
         self._subs: list = []
+        self._worker_series: dict[str, tuple[Counter, Counter, Counter]] = {}
+        self._tenant_series: dict[str, tuple[Histogram, Histogram]] = {}
 
     async def _on_event(self, ev: object) -> None:
         now = time.monotonic()
@@ -119,17 +122,36 @@ class MetricsService:
             WORKER_STEP.labels(w).set(ev.avg_step_s)
             WORKER_QUEUE.labels(w).set(ev.avg_queue_s)
         elif isinstance(ev, RequestDoneEvent):
-            self.view.on_done(ev, now)
-            DONE.labels(ev.worker_id).inc()
-            PROMPT_TOKENS.labels(ev.worker_id).inc(ev.prompt_tokens)
-            CACHED_TOKENS.labels(ev.worker_id).inc(ev.cached_tokens)
-            tenant = ev.tenant or DEFAULT_TENANT_LABEL
-            CLUSTER_LATENCY.labels(tenant).observe(ev.latency_s)
-            CLUSTER_TTFT.labels(tenant).observe(ev.ttft_s)
+            self._on_done(ev, now)
+        elif isinstance(ev, RequestDoneBatch):
+            for done in ev.events:
+                self._on_done(done, now)
         elif isinstance(ev, SchedulerStatsEvent):
             self.view.on_scheduler(ev, now)
         elif isinstance(ev, BatchProgressEvent):
             self.view.on_batch(ev)
+
+    def _on_done(self, ev: RequestDoneEvent, now: float) -> None:
+        self.view.on_done(ev, now)
+        # The labelled series, looked up once per worker and tenant (a labels() call is a
+        # locked lookup, and there are five per completion).
+        w = ev.worker_id
+        counters = self._worker_series.get(w)
+        if counters is None:
+            counters = self._worker_series[w] = (DONE.labels(w), PROMPT_TOKENS.labels(w),
+                                                 CACHED_TOKENS.labels(w))
+        done, prompt, cached = counters
+        done.inc()
+        prompt.inc(ev.prompt_tokens)
+        cached.inc(ev.cached_tokens)
+        tenant = ev.tenant or DEFAULT_TENANT_LABEL
+        histograms = self._tenant_series.get(tenant)
+        if histograms is None:
+            histograms = self._tenant_series[tenant] = (CLUSTER_LATENCY.labels(tenant),
+                                                        CLUSTER_TTFT.labels(tenant))
+        latency, ttft = histograms
+        latency.observe(ev.latency_s)
+        ttft.observe(ev.ttft_s)
 
     async def _sample_loop(self) -> None:
         """History points for the dashboard; workers gone silent leave the view and gauges."""

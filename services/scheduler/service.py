@@ -61,6 +61,7 @@ from prefixmesh.shared.wire import (
     ErrorInfo,
     KvEventBatch,
     LoadReportEvent,
+    RequestDoneBatch,
     RequestDoneEvent,
     ResyncRequest,
     RouteBatchReply,
@@ -246,9 +247,10 @@ class SchedulerService:
     async def _place(self, m: Msg) -> None:
         """``sched.place``: decide, then pass the request's bytes on to the chosen worker,
         whose SubmitReply goes back to the edge (the request reaches its worker one hop
-        sooner than by route, then submit). A worker gone from the bus is a refusal naming
-        it, so the edge places again without it; no worker, or a malformed request, a
-        refusal naming none."""
+        sooner than by route, then submit): straight to the edge's inbox when the request
+        names it (``ack_to``), else relayed. A worker gone from the bus is a refusal naming
+        it (the server's "no responders" comes back here), so the edge places again
+        without it; no worker, or a malformed request, a refusal naming none."""
         try:
             req = PLACE_REQUEST.decode(m.data)
         except msgspec.DecodeError as exc:
@@ -314,6 +316,9 @@ class SchedulerService:
             await self._on_kv(ev, now)
         elif isinstance(ev, RequestDoneEvent):
             self.policy.on_done(ev, pnow)
+        elif isinstance(ev, RequestDoneBatch):
+            for done in ev.events:
+                self.policy.on_done(done, pnow)
         elif isinstance(ev, RoutingDecisionsEvent):
             PEER_DECISIONS.inc(apply_peer_decisions(self.policy, ev, self.instance_id, pnow))
 
@@ -548,8 +553,9 @@ class SchedulerService:
         stack.push_async_callback(redis.aclose)
         self._lease = Lease(redis, self.lease_key, self.instance_id, self.cfg.lease_ttl_s)
         self._store = StateStore(redis, self.state_key, clock=self.policy_now)
+        # No echo: its own decisions (``sched.decisions``) are for the other replicas.
         self._bus = bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),
-                                           "scheduler")
+                                           "scheduler", echo=False)
         stack.push_async_callback(bus.close)
         await serve_metrics(stack, self.cfg.metrics_port)
         for kind in E2_DECISION_KINDS if self.cfg.policy == "e2" else ():

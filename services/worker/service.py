@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Histogram
 
@@ -48,12 +49,15 @@ from prefixmesh.shared.wire import (
     ErrorInfo,
     GenerateChunkEvent,
     KvEventBatch,
+    RequestDoneBatch,
     RequestDoneEvent,
     ResumeRequest,
     ResyncRequest,
+    StreamBatch,
     SubmitReply,
     TokenizedRequest,
     TokenLogprob,
+    WorkerRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -98,6 +102,10 @@ class _Live:
     deadline: float = 0.0
     # What the stream carried over NATS, for a ResumeRequest (replay.py); None with a sink.
     journal: StreamJournal | None = None
+    # The edge reads a last chunk inside the done event (TokenizedRequest.done_carries_last).
+    fold_last: bool = False
+    # The edge's subject for its requests' events together (TokenizedRequest.stream_batch_to).
+    batch_to: str = ""
 
 
 def sample_key(req: TokenizedRequest) -> str:
@@ -116,6 +124,12 @@ def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
     deterministic per request id, clamped to [1, max_tokens]."""
     u = (zlib.crc32(request_id.encode()) + 0.5) / 2**32  # uniform in (0, 1)
     return max(1, min(max_tokens, round(-mean * math.log(u))))
+
+
+def _ack_to(msg: WorkerRequest) -> str:
+    """Where a submit's answer goes: the placing edge's inbox, when the scheduler passed
+    the request on (``TokenizedRequest.ack_to``), else the message's reply subject."""
+    return msg.ack_to if isinstance(msg, TokenizedRequest) else ""
 
 
 class WorkerService:
@@ -146,6 +160,11 @@ class WorkerService:
         self._accepting = True
         # Streams of requests that ended lately, for a late ResumeRequest (replay.py).
         self.finished = FinishedJournals()
+        # Stream events (per edge subject) and completion records not yet published
+        # (_flush_loop sends them).
+        self._stream_out: dict[str, list[GenerateChunkEvent | RequestDoneEvent]] = {}
+        self._done_out: list[RequestDoneEvent] = []
+        self._flush_ready = asyncio.Event()
 
     # ------------------------------------------------------------------ intake
 
@@ -237,7 +256,8 @@ class WorkerService:
         detok = None if self.engine.detokenizes or tok is None else IncrementalDetokenizer(tok)
         self.live[req.request_id] = _Live(
             req.reply_to, req.tenant, detok, sink, deadline=req.deadline,
-            journal=StreamJournal(req.reply_to) if sink is None else None)
+            journal=StreamJournal(req.reply_to) if sink is None else None,
+            fold_last=req.done_carries_last, batch_to=req.stream_batch_to)
         return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
 
     def abort(self, request_id: str) -> None:
@@ -284,15 +304,32 @@ class WorkerService:
             worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events,
             engine_id=self.engine_id))
 
-    async def _deliver(self, live: _Live, event: GenerateChunkEvent | RequestDoneEvent) -> None:
+    async def _deliver(self, live: _Live, event: GenerateChunkEvent | RequestDoneEvent,
+                       last: GenerateChunkEvent | None = None) -> None:
+        """Send ``event`` to the request's caller; ``last``, the final chunk of a done
+        ``event``, goes before it (over the bus inside it: ``RequestDoneEvent.last``)."""
         if live.journal is not None:
+            if last is not None:
+                live.journal.record(last)
             live.journal.record(event)
             if isinstance(event, RequestDoneEvent):
                 self.finished.add(event.request_id, live.journal)
         if live.sink is not None:
+            if last is not None:
+                live.sink.put_nowait(last)
             live.sink.put_nowait(event)
         else:  # no sink: the request came over the bus
-            await self._mesh().publish(live.reply_to, event)
+            if last is not None and live.fold_last and isinstance(event, RequestDoneEvent):
+                event, last = msgspec.structs.replace(event, last=last), None
+            if live.batch_to:  # sent by _flush_loop, with the edge's other events
+                out = self._stream_out.setdefault(live.batch_to, [])
+                out.extend((event,) if last is None else (last, event))
+                self._flush_ready.set()
+                return
+            bus = self._mesh()
+            if last is not None:
+                await bus.publish(live.reply_to, last)
+            await bus.publish(live.reply_to, event)
 
     async def _resume(self, msg: ResumeRequest) -> SubmitReply:
         """Resend a stream from ``msg.from_index`` on (replay.py); refused when unknown."""
@@ -316,6 +353,7 @@ class WorkerService:
         live = self.live.get(out.request_id)
         if live is None:
             return
+        chunk = None
         if out.new_token_ids:
             index = out.request.num_output_tokens - len(out.new_token_ids)
             token_ids = out.new_token_ids
@@ -323,18 +361,22 @@ class WorkerService:
                 text = live.detok.step(token_ids)
                 if out.finished:
                     text += live.detok.flush()
-            await self._deliver(live, GenerateChunkEvent(
+            chunk = GenerateChunkEvent(
                 request_id=out.request_id, token_ids=token_ids, text=text, index=index,
-                logprobs=logprobs or [], cached_tokens=max(out.num_cached_tokens, 0)))
+                logprobs=logprobs or [], cached_tokens=max(out.num_cached_tokens, 0))
         if not out.finished:
+            if chunk is not None:
+                await self._deliver(live, chunk)
             return
         del self.live[out.request_id]
-        # One message, two readers: the request's caller and the scheduler and metrics.
+        # The caller gets the done event with the last chunk in it; the same record,
+        # without it, goes to the scheduler and metrics.
         done = done_record(self.worker_id, out.request, out.finish_reason or "length",
                            live.tenant, self.model.simulated)
-        await self._deliver(live, done)
-        if self.bus is not None:
-            await self.bus.publish(self.bus.subjects.done, done)
+        await self._deliver(live, done, chunk)
+        if self.bus is not None:  # sent by _flush_loop, with the step's others
+            self._done_out.append(done)
+            self._flush_ready.set()
         FINISHED.labels(self.worker_id, done.finish_reason).inc()
         LATENCY.labels(self.worker_id).observe(done.latency_s)
         QUEUE_TIME.labels(self.worker_id).observe(done.queue_s)
@@ -342,6 +384,27 @@ class WorkerService:
     def _on_step(self, seconds: float) -> None:
         STEPS.labels(self.worker_id).inc()
         STEP_TIME.labels(self.worker_id).observe(seconds)
+
+    async def _flush_loop(self, bus: Bus) -> None:
+        """Publish what the engine's outputs left queued once it yields, those of one step
+        together: each edge's stream events in one message (``StreamBatch``), then the
+        completion records on ``done`` in one (the edge, the scheduler and metrics read one
+        message a step, not one a request)."""
+        while True:
+            await self._flush_ready.wait()
+            self._flush_ready.clear()
+            streams, self._stream_out = self._stream_out, {}
+            batch, self._done_out = self._done_out, []
+            try:
+                for subject, events in streams.items():
+                    await bus.publish(subject, events[0] if len(events) == 1
+                                      else StreamBatch(events=events))
+                if batch:
+                    await bus.publish(bus.subjects.done, batch[0] if len(batch) == 1
+                                      else RequestDoneBatch(events=batch))
+            except Exception as exc:  # NATS gone past its buffer: edges resume, as for
+                # any lost event (replay.py), and the scheduler's window ages the requests
+                log.warning("could not publish a step's events: %s", exc)
 
     async def _load_loop(self, bus: Bus) -> None:
         while True:
@@ -386,8 +449,10 @@ class WorkerService:
             self._subs.append(await bus.serve(
                 subject, WORKER_REQUEST, self._on_request,
                 lambda why: SubmitReply(request_id="", worker_id=self.worker_id, accepted=False,
-                                        error=ErrorInfo(why, "bad_request"))))
+                                        error=ErrorInfo(why, "bad_request")),
+                answer_to=_ack_to))
         tasks.spawn(self._load_loop(bus), f"worker-{self.worker_id}-load")
+        tasks.spawn(self._flush_loop(bus), f"worker-{self.worker_id}-flush")
 
     async def stop_intake(self) -> None:
         self._accepting = False
@@ -400,5 +465,5 @@ class WorkerService:
                 self._subs.remove(sub)
 
     async def drain(self) -> None:
-        while self.live:
+        while self.live or self._done_out or self._stream_out:
             await asyncio.sleep(DRAIN_POLL_S)

@@ -16,10 +16,13 @@ from prefixmesh.shared.wire import (
     GenerateChunkEvent,
     KvEventBatch,
     LoadReportEvent,
+    RequestDoneBatch,
     RequestDoneEvent,
     ResyncRequest,
     SamplingParams,
+    StreamBatch,
     TokenizedRequest,
+    encode,
 )
 from tests.helpers import eventually, running
 
@@ -119,3 +122,83 @@ async def test_bad_submissions_are_refused_not_dropped(harness) -> None:
     assert not ack.accepted and ack.error.code == "bad_request"
     raw = await bus.nc.request(bus.subjects.worker_submit("w0"), b"junk", timeout=5)
     assert not SUBMIT_REPLY.decode(raw.data).accepted
+
+
+async def test_an_edge_that_reads_it_gets_the_last_chunk_inside_the_done_event(harness) -> None:
+    """``done_carries_last``: the last chunk rides in the done event (a one-token request is
+    one message); the tokens and text are those of separate chunks. Without the flag (an
+    edge from before it), every chunk comes on its own and the done event holds none."""
+    bus, worker, events, streams = harness
+    s = bus.subjects
+    for rid, fold in (("sep", False), ("fold", True)):
+        req = _req(bus, rid, list(range(400, 420)), max_tokens=1)
+        req.sampling.temperature = 0.0  # greedy: both get the same token
+        req.done_carries_last = fold
+        await bus.request(s.worker_submit("w0"), req, SUBMIT_REPLY, 5)
+        await eventually(lambda rid=rid: [d for d in streams.of(RequestDoneEvent)
+                                          if d.request_id == rid])
+    sep = [m for m in streams.items if m.request_id == "sep"]
+    fold = [m for m in streams.items if m.request_id == "fold"]
+    assert [type(m) for m in sep] == [GenerateChunkEvent, RequestDoneEvent]
+    assert sep[1].last is None
+    assert [type(m) for m in fold] == [RequestDoneEvent]
+    last = fold[0].last
+    assert last is not None and (len(last.token_ids), last.index) == (1, 0) and last.text
+    assert last.text == sep[0].text
+    # The completion record on ``done`` carries no chunk.
+    await eventually(lambda: {d.request_id for d in _records(events)} >= {"sep", "fold"})
+    assert all(d.last is None for d in _records(events))
+
+
+async def test_a_submit_naming_ack_to_is_acknowledged_there(harness) -> None:
+    """A request the scheduler passes on names the edge's inbox (``ack_to``): the worker's
+    answer goes there, not to the message's own reply subject (the scheduler's relay)."""
+    bus, worker, events, streams = harness
+    acks, relayed = Recorder(), Recorder()
+    await bus.subscribe("ackbox.edge", SUBMIT_REPLY, acks)
+    await bus.subscribe("ackbox.relay", SUBMIT_REPLY, relayed)
+    req = _req(bus, "acked", list(range(500, 520)), max_tokens=1)
+    req.ack_to = "ackbox.edge"
+    await bus.nc.publish(bus.subjects.worker_submit("w0"), encode(req), reply="ackbox.relay")
+    await eventually(lambda: acks.items)
+    assert acks.items[0].accepted and acks.items[0].worker_id == "w0"
+    await eventually(lambda: streams.of(RequestDoneEvent))
+    assert not relayed.items
+
+
+async def test_events_ready_together_are_each_published_once_and_in_order(harness) -> None:
+    """Stream events of one edge's requests that a step made go to its batch subject
+    together (``StreamBatch``), the records of requests that end in one step on ``done``
+    (``RequestDoneBatch``): each request's stream is whole and in order, and no record is
+    lost or repeated."""
+    bus, worker, events, streams = harness
+    rids = [f"r{i}" for i in range(6)]
+    for rid in rids:  # one burst: the engine takes them into the same steps
+        req = _req(bus, rid, list(range(600, 620)), max_tokens=3)
+        req.stream_batch_to = bus.subjects.stream_batch("t")
+        await bus.publish(bus.subjects.worker_submit("w0"), req)
+    await eventually(lambda: len(_records(events)) >= len(rids))
+    await eventually(lambda: not worker.live)
+    assert sorted(d.request_id for d in _records(events)) == rids
+    await eventually(lambda: len(_stream(streams, RequestDoneEvent)) >= len(rids))
+    for rid in rids:
+        own = [e for e in _stream(streams, object) if e.request_id == rid]
+        assert [type(e) for e in own] == [GenerateChunkEvent] * 3 + [RequestDoneEvent]
+        assert [e.index for e in own[:3]] == [0, 1, 2]
+    assert streams.of(StreamBatch)  # six requests in the same steps: batched
+
+
+def _stream(streams: Recorder, kind) -> list:
+    """Stream events of ``kind`` received, batched or not, in arrival order."""
+    out = []
+    for m in streams.items:
+        out.extend(m.events if isinstance(m, StreamBatch) else [m])
+    return [e for e in out if isinstance(e, kind)]
+
+
+def _records(events: Recorder) -> list[RequestDoneEvent]:
+    """Every completion record seen on ``done``, batched or not."""
+    out = events.of(RequestDoneEvent)
+    for batch in events.of(RequestDoneBatch):
+        out.extend(batch.events)
+    return out
