@@ -33,13 +33,17 @@ from prefixmesh.services.scheduler.policies.base import (
     PolicyConfig,
     RouteInput,
 )
+from prefixmesh.services.scheduler.replicas import apply_peer_decisions, routed
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.wire import (
+    BUS_EVENT,
     BlockRemoved,
     BlockStored,
     LoadReportEvent,
     RequestDoneEvent,
+    RoutingDecisionsEvent,
+    encode,
 )
 
 WORKLOADS = ("toolbench", "videoqa")
@@ -255,7 +259,7 @@ class _Cluster:
         events: list = []
         for a, b in segments:  # parents first, as a worker reports them
             if hashes[b - 1] not in lru:
-                seg = hashes[a:b]
+                seg = list(hashes[a:b])
                 lru[hashes[b - 1]] = seg
                 self.used[worker] += len(seg)
                 events.append(BlockStored(seg, hashes[a - 1] if a else None, [], BLOCK_SIZE))
@@ -382,6 +386,7 @@ def run_bench(
     profile: str = DEFAULT_PROFILE,
     remote: bool = False,
     cpu_clock: bool = False,
+    wire: bool = False,
 ) -> dict:
     """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream.
 
@@ -389,7 +394,10 @@ def run_bench(
     ``remote_*`` (what a replica spends on a decision another one made). ``cpu_clock``:
     time with this thread's CPU clock instead of the wall clock, so that the time slices
     other processes take on a shared machine do not count (the policy's own work,
-    garbage collections included, does)."""
+    garbage collections included, does). ``wire``: the peer gets each decision as a replica
+    does, in a ``RoutingDecisionsEvent`` (of one decision) decoded from bytes and applied by
+    ``apply_peer_decisions``, decoding timed with the applying (encoding, the deciding
+    replica's work, is not)."""
     pol, cluster, peer = _setup(policy, workers, config, profile, peer=remote)
     stream = iter(workload_stream)
     times: list[int] = []
@@ -402,9 +410,17 @@ def run_bench(
         d = pol.route(br.route, br.t)
         t1 = clock()
         if peer is not None:
-            peer.apply_remote_decision(br.route, d, br.t)
+            data = encode(RoutingDecisionsEvent(scheduler_id="bench", ts=br.t,
+                                                decisions=[routed(br.route, d)])) if wire else b""
+            t2 = clock()
+            if wire:
+                ev = BUS_EVENT.decode(data)
+                assert isinstance(ev, RoutingDecisionsEvent)
+                apply_peer_decisions(peer, ev, "peer", br.t)
+            else:
+                peer.apply_remote_decision(br.route, d, br.t)
             if i >= warmup:
-                applied.append(clock() - t1)
+                applied.append(clock() - t2)
         if i >= warmup:
             times.append(t1 - t0)
         cluster.routed(br, d.worker_id, d.matched_tokens)
@@ -444,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remote", action="store_true",
                     help="also time a peer replica learning each decision "
                     "(apply_remote_decision): remote_* figures")
+    ap.add_argument("--remote-wire", action="store_true",
+                    help="with --remote: the peer decodes each decision from the decisions "
+                    "subject's bytes first, as a replica does (timed with the applying)")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="time with the thread's CPU clock (other processes' time slices on "
                     "a shared machine do not count)")
@@ -471,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         workload=args.workload,
         warmup=args.warmup,
         profile=args.profile,
-        remote=args.remote,
+        remote=args.remote or args.remote_wire,
         cpu_clock=args.cpu_clock,
+        wire=args.remote_wire,
     )
     result["rate"] = rate
     return _emit(result, args.json)

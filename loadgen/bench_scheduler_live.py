@@ -38,7 +38,7 @@ from prefixmesh.loadgen import stalls
 from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
 from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
-from prefixmesh.shared.bus import BatchLimits, Bus
+from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     child_env,
@@ -48,6 +48,7 @@ from prefixmesh.shared.runtime.servers import (
 from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.wire import (
     ROUTE_REPLY,
+    ErrorInfo,
     LoadReportEvent,
     RouteReply,
     SamplingParams,
@@ -100,12 +101,16 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         # What the edge sends the scheduler: hashes and length, no token ids.
         msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[],
                                  sampling=SamplingParams(max_tokens=r.max_tokens),
-                                 block_hashes=r.block_hashes, prompt_tokens=r.prompt_tokens)
+                                 block_hashes=list(r.block_hashes),
+                                 prompt_tokens=r.prompt_tokens)
                 for r in reqs]
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 60
         while True:
-            reply = await bus.request(bus.subjects.route, msgs[0], ROUTE_REPLY, 5)
+            try:
+                reply = await bus.request(bus.subjects.route, msgs[0], ROUTE_REPLY, 5)
+            except BusUnavailable:  # not in the routing queue group yet (catching up)
+                reply = RouteReply(request_id="", error=ErrorInfo("no scheduler routes yet"))
             if reply.worker_id:
                 break
             if time.monotonic() > deadline:
@@ -197,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the scheduler under loadgen/stalls.py: its garbage collections, "
                     "event-loop lag and slow periodic steps go to this JSON-lines file, and "
                     "the result sums those of the timed window")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="run each spawned scheduler under cProfile: its statistics go to "
+                    "DIR/scheduler-I.prof when it stops (warm-up included)")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="run the spawned scheduler from the prefixmesh package in this folder "
                     "(PYTHONPATH; e.g. an older checkout's folders linked as prefixmesh/...)")
@@ -204,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
-    if args.external_scheduler and (args.stalls or args.baseline):
-        ap.error("--stalls and --baseline concern the scheduler this command spawns")
+    if args.external_scheduler and (args.stalls or args.baseline or args.profile):
+        ap.error("--stalls, --profile and --baseline concern the schedulers this command "
+                 "spawns")
+    if args.stalls and args.profile:
+        ap.error("--stalls and --profile each wrap the scheduler: pick one")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
     procs: list[ManagedProcess] = []
     # Logs of spawned replicas to wait on (an older --baseline package logs no such line).
@@ -229,9 +240,15 @@ def main(argv: list[str] | None = None) -> int:
                               "--", "prefixmesh.services.scheduler"]
             extra = {"PYTHONPATH": str(args.baseline.resolve())} if args.baseline else {}
             logs = [tmp / f"scheduler-{i}.log" for i in range(args.schedulers)]
+            if args.profile is not None:
+                args.profile.mkdir(parents=True, exist_ok=True)
             for i, log in enumerate(logs):
+                argv_i = argv_sched
+                if args.profile is not None:
+                    argv_i = [sys.executable, "-m", "cProfile", "-o",
+                              str(args.profile / f"scheduler-{i}.prof"), *argv_sched[1:]]
                 procs.append(ManagedProcess(
-                    f"scheduler-{i}", argv_sched,
+                    f"scheduler-{i}", argv_i,
                     env=child_env(PM_NATS_URL=nats_url, PM_REDIS_URL=redis_url,
                                   PM_SUBJECT_PREFIX=args.prefix, PM_REDIS_PREFIX=args.prefix,
                                   PM_POLICY=args.policy, PM_LOG_LEVEL="INFO",
@@ -239,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                                   # loop: be lenient about their timing.
                                   PM_MISSED_REPORTS="40", PM_CATCHUP_TIMEOUT_S="5", **extra),
                     log_path=log).start())
-            routing_logs = [] if args.baseline else logs
+            # (A --baseline of several replicas is code that logs it too.)
+            routing_logs = [] if args.baseline and args.schedulers == 1 else logs
         import uvloop  # the client's own loop must not be the bottleneck
 
         pids = {p.name: [p.pid] for p in procs}

@@ -17,6 +17,7 @@ from pathlib import Path
 from prefixmesh.loadgen.bench import run_bench
 from prefixmesh.loadgen.cluster_sim import ClusterConfig
 from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
+from prefixmesh.loadgen.sim_replicas import ReplicaConfig
 from prefixmesh.loadgen.sweep import simulate
 from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
@@ -24,20 +25,27 @@ from prefixmesh.shared.runtime.servers import free_port
 
 
 def run_fidelity(spec: WorkloadSpec, workers: int, rate: float, duration_s: float,
-                 policy: str, local_policy: str, profile: str) -> dict:
-    """Live and virtual rows for one configuration, with their latency ratios."""
-    opts = MeshOptions(workers=workers, policy=policy, local_policy=local_policy,
+                 policy: str, local_policy: str, profile: str, schedulers: int = 1) -> dict:
+    """Live and virtual rows for one configuration, with their latency ratios.
+
+    ``schedulers``: scheduler replicas routing at once, live (``up --schedulers``) and in
+    the simulator (each replica learning the others' decisions without delay)."""
+    opts = MeshOptions(workers=workers, schedulers=schedulers, policy=policy,
+                       local_policy=local_policy,
                        profile=profile, port=0, metrics_port=0,
                        nats_url=f"nats://127.0.0.1:{free_port()}",
                        redis_url=f"redis://127.0.0.1:{free_port()}/0", log_level="WARNING")
-    labels = {"policy": policy, "local_policy": local_policy, "gpus": workers, "backend": "sim"}
+    labels = {"policy": policy, "local_policy": local_policy, "gpus": workers, "backend": "sim",
+              "schedulers": schedulers}
     with LocalMesh(opts) as mesh:
         live = run_bench(mesh.url, spec, rate, duration_s, None, labels)
     live["mode"] = "live"
     count = max(1, round(rate * duration_s))
     virtual = simulate(spec.requests(count), spec.times(rate, count),
                        ClusterConfig(gpus=workers, policy=policy, local_policy=local_policy,
-                                     profile=profile), spec.workload, rate)
+                                     profile=profile,
+                                     replicas=ReplicaConfig(schedulers=schedulers)),
+                       spec.workload, rate)
     return {
         "live": live, "virtual": virtual,
         "latency_avg_ratio": virtual["latency_avg_s"] / live["latency_avg_s"],
@@ -56,10 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", default="e2")
     p.add_argument("--local-policy", default="prefix_fair")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--schedulers", type=int, default=1,
+                   help="scheduler replicas routing at once (live: up --schedulers N)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     out = run_fidelity(WorkloadSpec.from_args(args), args.workers, args.rate, args.duration,
-                       args.policy, args.local_policy, args.profile)
+                       args.policy, args.local_policy, args.profile, args.schedulers)
     text = json.dumps(out, indent=1)
     if args.json:
         args.json.write_text(text)

@@ -374,6 +374,8 @@ class KvEventBatch(_Msg):
     ts: float
     events: list[KvEvent]
     data_parallel_rank: int | None = None
+    # The engine instance that sent the batch (``LoadReportEvent.engine_id``).
+    engine_id: str = ""
 
 
 # --------------------------------------------------------------------------- load and completion
@@ -407,6 +409,10 @@ class LoadReportEvent(_Msg):
     # The worker's cost-model profile (shared/profiles): E2 prices its GPU time with it,
     # so a fleet that mixes GPUs is priced per GPU. Empty: the scheduler's own profile.
     profile: str = ""
+    # Id of the engine instance, new at every engine start ("": not told, an older
+    # worker): another id under the same worker id means the engine restarted, its cache
+    # empty, before its first KV event says anything.
+    engine_id: str = ""
 
 
 class BatchProgressEvent(_Msg):
@@ -463,6 +469,7 @@ class RoutedRequest(msgspec.Struct, omit_defaults=True, array_like=True):
     request_id: str
     worker_id: str
     # The prompt's block hashes: the peer records the prefix on the worker's tree path.
+    # Empty when ``packed_hashes`` carries them.
     block_hashes: list[int]
     prompt_tokens: int
     max_tokens: int = 0
@@ -473,6 +480,10 @@ class RoutedRequest(msgspec.Struct, omit_defaults=True, array_like=True):
     # replica believed cached on the worker (the prefill it charged is prompt - this).
     kind: str = ""
     matched_tokens: int = 0
+    # The block hashes as little-endian int64s, 8 bytes each (block hashes are Python
+    # hashes: signed 64-bit). The peer reads the few its tree walk needs in place, where
+    # decoding a list makes one int object per block (half the cost of a peer's decision).
+    packed_hashes: bytes = b""
 
 
 class RoutingDecisionsEvent(_Msg):

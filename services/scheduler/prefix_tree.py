@@ -42,7 +42,7 @@ No I/O, no clock: times are passed in by the caller.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 
@@ -233,7 +233,7 @@ class PrefixTree:
             self.flush()
         return self._index.get(block_hash)
 
-    def match(self, hashes: list[int]) -> tuple[Node, int]:
+    def match(self, hashes: Sequence[int]) -> tuple[Node, int]:
         """Deepest node on the path of ``hashes`` and the number of leading blocks matched.
 
         A child whose last hash equals the prompt's hash at that depth matches entirely
@@ -300,12 +300,12 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ insertion
 
-    def insert(self, hashes: list[int], now: float) -> Node:
+    def insert(self, hashes: Sequence[int], now: float) -> Node:
         """Make ``hashes`` a path ending exactly at a node boundary; return that node."""
         node, m = self.match(hashes)
         return self.extend(node, m, hashes, now)
 
-    def extend(self, node: Node, matched: int, hashes: list[int], now: float) -> Node:
+    def extend(self, node: Node, matched: int, hashes: Sequence[int], now: float) -> Node:
         """``insert`` reusing a ``match`` result: split on a partial match, add the rest
         as a leaf."""
         if matched and matched < node.start + len(node.hashes):
@@ -327,7 +327,8 @@ class PrefixTree:
             self.enforce_budget(keep=leaf)
         return leaf
 
-    def record(self, node: Node, matched: int, hashes: list[int], worker: str, now: float) -> Node:
+    def record(self, node: Node, matched: int, hashes: Sequence[int], worker: str,
+               now: float) -> Node:
         """``extend`` then ``touch``: a routing decision for ``hashes`` (matched up to
         ``node``/``matched``) sent to ``worker``, recorded at once. Returns the leaf."""
         if matched != len(hashes) or matched != node.start + len(node.hashes):

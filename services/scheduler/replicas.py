@@ -15,6 +15,10 @@ it stays out of the routing queue group, so it never routes from an empty tree.
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
+
 from prefixmesh.services.scheduler.policies.base import Decision, GlobalPolicy, RouteInput
 from prefixmesh.shared.wire import (
     AllBlocksCleared,
@@ -23,6 +27,9 @@ from prefixmesh.shared.wire import (
     RoutingDecisionsEvent,
     TokenizedRequest,
 )
+
+# Packed hashes are little-endian on the wire, whatever this machine's order.
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def route_input(req: TokenizedRequest) -> RouteInput:
@@ -35,10 +42,36 @@ def route_input(req: TokenizedRequest) -> RouteInput:
 
 def routed(inp: RouteInput, d: Decision) -> RoutedRequest:
     """The record of one decision, for the other replicas."""
+    packed = pack_hashes(inp.block_hashes)
     return RoutedRequest(request_id=inp.request_id, worker_id=d.worker_id,
-                         block_hashes=inp.block_hashes, prompt_tokens=inp.prompt_tokens,
-                         max_tokens=inp.max_tokens, predicted_output=inp.predicted_output,
-                         tenant=inp.tenant, kind=d.kind, matched_tokens=d.matched_tokens)
+                         block_hashes=[] if packed else list(inp.block_hashes),
+                         prompt_tokens=inp.prompt_tokens, max_tokens=inp.max_tokens,
+                         predicted_output=inp.predicted_output, tenant=inp.tenant,
+                         kind=d.kind, matched_tokens=d.matched_tokens, packed_hashes=packed)
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """``RoutedRequest.packed_hashes`` of ``hashes``; b"" when one does not fit in 64 bits
+    (not a prefixmesh hash: sent as a list)."""
+    try:
+        arr = array("q", hashes)
+    except OverflowError:
+        return b""
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_hashes(d: RoutedRequest) -> Sequence[int]:
+    """The block hashes of a peer's decision: an int64 array over its packed bytes (ints
+    made only where read), or its list."""
+    if not d.packed_hashes:
+        return d.block_hashes
+    arr = array("q")
+    arr.frombytes(d.packed_hashes)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr
 
 
 def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id: str,
@@ -49,7 +82,7 @@ def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id
         return 0
     for d in ev.decisions:
         policy.apply_remote_decision(
-            RouteInput(request_id=d.request_id, block_hashes=d.block_hashes,
+            RouteInput(request_id=d.request_id, block_hashes=unpack_hashes(d),
                        prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
                        tenant=d.tenant, predicted_output=d.predicted_output),
             Decision(d.worker_id, d.kind, d.matched_tokens), now)

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import Counter, Gauge, Histogram
 
+from prefixmesh.services.scheduler.engines import EngineIds
 from prefixmesh.services.scheduler.lease import Lease, LeaseState
 from prefixmesh.services.scheduler.policies import (
     DEFAULT_POLICY,
@@ -93,6 +94,9 @@ WORKERS = Gauge("prefixmesh_scheduler_workers", "workers eligible for routing")
 ACTIVE = Gauge("prefixmesh_scheduler_active", "1 while this replica routes (in the queue group)")
 LEADER = Gauge("prefixmesh_scheduler_leader", "1 while this replica holds the lease (run-once "
                "jobs: snapshots, stats)")
+ENGINE_RESTARTS = Counter("prefixmesh_scheduler_engine_restarts_total",
+                          "worker engines seen restarting (a new engine id): their blocks "
+                          "dropped")
 PEER_DECISIONS = Counter("prefixmesh_scheduler_peer_decisions_total",
                          "other replicas' routing decisions charged by this one")
 PERSIST_FAILURES = Counter("prefixmesh_scheduler_persist_failures_total",
@@ -165,6 +169,8 @@ class SchedulerService:
         # that we had not seen yet, and when we last asked it for a resync (monotonic s).
         self.kv_seq: dict[str, int] = {}
         self._kv_behind: dict[str, int] = {}
+        # Each worker's engine instance (a new one: the engine restarted, its cache empty).
+        self.engines = EngineIds()
         self._resync_at: dict[str, float] = {}
         # Set by start(), before any handler or loop runs: see the accessors below.
         self._bus: Bus | None = None
@@ -297,6 +303,8 @@ class SchedulerService:
                 log.info("worker %s joined (%d blocks)", ev.worker_id, ev.total_blocks)
                 self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, pnow)
             self.last_seen[ev.worker_id] = now
+            if self.engines.restarted(ev.worker_id, ev.engine_id):
+                self._engine_restarted(ev.worker_id, "new engine id in its load report")
             if self.catchup is not None and self.catchup.worker_known(ev.worker_id):
                 await self._resync(ev.worker_id, "replica catching up", now)
             self.policy.on_load(ev, pnow)
@@ -319,6 +327,10 @@ class SchedulerService:
         KV_LAG.observe(lag)
         self._lag_sum += lag
         self._lag_n += 1
+        if self.engines.restarted(w, batch.engine_id):
+            if not is_resync(batch.events):
+                self._engine_restarted(w, "new engine id in its kv events")
+            self.kv_seq.pop(w, None)  # its sequence starts over: this is first contact
         last = self.kv_seq.get(w)
         self.kv_seq[w] = batch.seq
         if last is None:
@@ -338,6 +350,17 @@ class SchedulerService:
             self.catchup.kv_batch(w, batch.events)
         if w in self.policy.workers:
             self.policy.on_kv_events(w, batch.events, self.policy_now())
+
+    def _engine_restarted(self, worker: str, why: str) -> None:
+        """``worker``'s engine restarted: what the tree holds for it is gone with the old
+        engine (dropped at once), and its KV sequence starts over (the next batch is first
+        contact: one past 1 asks for a resync, as does a report naming a later one)."""
+        log.warning("engine of %s restarted (%s): dropping its cached blocks", worker, why)
+        ENGINE_RESTARTS.inc()
+        if worker in self.policy.workers:
+            self.policy.on_kv_events(worker, [AllBlocksCleared()], self.policy_now())
+        self.kv_seq.pop(worker, None)
+        self._kv_behind.pop(worker, None)
 
     def _check_kv_tail(self, report: LoadReportEvent, now: float) -> str:
         """A load report names the worker's last KV sequence number: if we are still behind

@@ -7,7 +7,8 @@ from prefixmesh.shared.wire import LoadReportEvent, RequestDoneEvent
 
 
 def load_report(worker_id: str, s: EngineStats, ts: float, backend: str = "sim",
-                model: str = "", kv_seq: int = 0, profile: str = "") -> LoadReportEvent:
+                model: str = "", kv_seq: int = 0, profile: str = "",
+                engine_id: str = "") -> LoadReportEvent:
     """A LoadReportEvent from an engine's stats snapshot."""
     return LoadReportEvent(
         worker_id=worker_id, ts=ts, running=s.running, waiting=s.waiting,
@@ -15,7 +16,7 @@ def load_report(worker_id: str, s: EngineStats, ts: float, backend: str = "sim",
         decode_share=s.decode_share, hit_ratio=s.hit_ratio,
         outstanding_tokens=s.outstanding_tokens, backend=backend, model=model,
         avg_queue_s=s.avg_queue_s, kv_seq=kv_seq, steps=s.steps, avg_step_s=s.avg_step_s,
-        profile=profile)
+        profile=profile, engine_id=engine_id)
 
 
 def done_record(worker_id: str, r: EngineRequest, finish_reason: str,

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 import zlib
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -149,6 +150,8 @@ class WorkerService:
         # Name and context length of the served model (shared/models.py).
         self.model = cfg.served_model()
         self._engine: Engine | None = None  # opened by start(): see ``engine``
+        # This engine instance, new at every start: the scheduler tells a restart by it.
+        self.engine_id = ""
         self.bus: Bus | None = None  # None without the mesh (HTTP-only worker)
         self.live: dict[str, _Live] = {}
         self.kv_seq = 0
@@ -298,7 +301,8 @@ class WorkerService:
             KV_EVICTED.labels(self.worker_id).inc(removed)
         self.kv_seq += 1
         await self.bus.publish(self.bus.subjects.kv(self.worker_id), KvEventBatch(
-            worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events))
+            worker_id=self.worker_id, seq=self.kv_seq, ts=time.time(), events=events,
+            engine_id=self.engine_id))
 
     async def _deliver(self, live: _Live, event: GenerateChunkEvent | RequestDoneEvent,
                        last: GenerateChunkEvent | None = None) -> None:
@@ -409,7 +413,8 @@ class WorkerService:
             PREEMPTIONS.labels(self.worker_id).inc(stats.preemptions - self._preemptions)
             self._preemptions = stats.preemptions
             report = load_report(self.worker_id, stats, time.time(), self.cfg.backend,
-                                 self.model.name, self.kv_seq, self.cfg.profile)
+                                 self.model.name, self.kv_seq, self.cfg.profile,
+                                 self.engine_id)
             await bus.publish(bus.subjects.load(self.worker_id), report)
             await asyncio.sleep(self.cfg.load_interval_s)
 
@@ -418,6 +423,7 @@ class WorkerService:
     async def start(self, stack: AsyncExitStack, stop: asyncio.Event) -> None:
         policy = make_local_policy(self.cfg.local_policy, self.cfg.local_policy_config())
         self._engine = engine = await self._backend.open_engine(self.cfg, self.cost, policy)
+        self.engine_id = uuid.uuid4().hex[:16]
         stack.callback(engine.close)  # after the engine task is cancelled (LIFO)
         if self.cfg.mesh:  # before the tasks, so the bus closes after they are cancelled
             self.bus = await Bus.connect(self.cfg.nats_url, Subjects(self.cfg.subject_prefix),

@@ -44,14 +44,15 @@ async def sched(nats_server, redis_server, prefix):
         yield s
 
 
-async def report(bus: Bus, w: str, kv_seq: int = 0) -> None:
+async def report(bus: Bus, w: str, kv_seq: int = 0, engine_id: str = "") -> None:
     await bus.publish(bus.subjects.load(w), LoadReportEvent(
-        worker_id=w, ts=time.time(), total_blocks=10_000, free_blocks=10_000, kv_seq=kv_seq))
+        worker_id=w, ts=time.time(), total_blocks=10_000, free_blocks=10_000, kv_seq=kv_seq,
+        engine_id=engine_id))
 
 
-async def kv(bus: Bus, w: str, seq: int, events: list) -> None:
+async def kv(bus: Bus, w: str, seq: int, events: list, engine_id: str = "") -> None:
     await bus.publish(bus.subjects.kv(w), KvEventBatch(worker_id=w, seq=seq, ts=time.time(),
-                                                       events=events))
+                                                       events=events, engine_id=engine_id))
 
 
 def stored(tokens: list[int]) -> BlockStored:
@@ -176,3 +177,46 @@ async def test_an_engine_restart_drops_its_stale_blocks_at_once(bus, sched):
     assert "r" not in node.workers
     r = await route(bus, "x1", DOC + [4] * 16)
     assert r.matched_tokens == 0
+
+
+async def _cached_on(bus: Bus, sched, w: str, engine_id: str) -> None:
+    """``w`` (engine ``engine_id``) joins and caches DOC; the scheduler exploits it."""
+    await report(bus, w, engine_id=engine_id)
+    await eventually(lambda: w in sched.policy.workers)
+    await kv(bus, w, 1, [stored(DOC)], engine_id=engine_id)
+    await eventually(lambda: sched.kv_seq.get(w) == 1)
+    assert (await route(bus, "x0", DOC + [3] * 16)).decision == "exploit"
+
+
+async def test_a_new_engine_id_in_a_load_report_drops_the_stale_blocks(bus, sched):
+    """An engine that restarted and has cached nothing yet sends no KV event: its load
+    report's new engine id is what tells the scheduler its cache is empty."""
+    await _cached_on(bus, sched, "e", "engine-1")
+    await report(bus, "e", engine_id="engine-2")
+    await eventually(lambda: sched.engines.ids.get("e") == "engine-2")
+    node, _ = sched.policy.tree.match(block_hashes(DOC))
+    assert "e" not in node.workers and sched.kv_seq.get("e") is None
+    assert (await route(bus, "x1", DOC + [4] * 16)).matched_tokens == 0
+    # The new engine's own events count from its first batch: no gap, no restart.
+    before = resyncs_sent()
+    await kv(bus, "e", 1, [stored(DOC)], engine_id="engine-2")
+    await eventually(lambda: sched.kv_seq.get("e") == 1)
+    assert (await route(bus, "x2", DOC + [5] * 16)).decision == "exploit"
+    assert resyncs_sent() == before
+
+
+async def test_a_new_engine_id_in_kv_events_drops_the_stale_blocks(bus, sched):
+    """Caught from the KV batch too (it may come before the next load report), even when
+    its sequence number happens to follow the old engine's."""
+    await _cached_on(bus, sched, "k", "engine-1")
+    await kv(bus, "k", 2, [], engine_id="engine-2")
+    await eventually(lambda: sched.engines.ids.get("k") == "engine-2")
+    node, _ = sched.policy.tree.match(block_hashes(DOC))
+    assert "k" not in node.workers
+    # The same engine again changes nothing.
+    await kv(bus, "k", 3, [stored(DOC)], engine_id="engine-2")
+    await eventually(lambda: sched.kv_seq.get("k") == 3)
+    await report(bus, "k", kv_seq=3, engine_id="engine-2")
+    await asyncio.sleep(0.2)
+    node, _ = sched.policy.tree.match(block_hashes(DOC))
+    assert "k" in node.workers

@@ -65,6 +65,8 @@ async def test_submit_streams_tokens_and_reports(harness) -> None:
     await eventually(lambda: events.of(LoadReportEvent))
     report = events.of(LoadReportEvent)[0]
     assert report.worker_id == "w0" and report.total_blocks > 0
+    # Its engine instance, named in reports and KV batches alike (restart detection).
+    assert report.engine_id and report.engine_id == worker.engine_id
     prompt = list(range(200, 264))
     ack = await bus.request(bus.subjects.worker_submit("w0"), _req(bus, "a", prompt),
                             SUBMIT_REPLY, 5)
@@ -80,6 +82,7 @@ async def test_submit_streams_tokens_and_reports(harness) -> None:
     assert sum(len(e.block_hashes) for e in stored) >= 4  # 64 prompt tokens = 4 full blocks
     seqs = [b.seq for b in events.of(KvEventBatch)]
     assert seqs == list(range(1, len(seqs) + 1))
+    assert {b.engine_id for b in events.of(KvEventBatch)} == {report.engine_id}
 
     # Same prompt again: served from the prefix cache.
     streams.items.clear()

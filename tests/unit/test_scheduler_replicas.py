@@ -7,9 +7,20 @@ import pytest
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
 from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
-from prefixmesh.services.scheduler.replicas import CatchUp, apply_peer_decisions, routed
+from prefixmesh.services.scheduler.replicas import (
+    CatchUp,
+    apply_peer_decisions,
+    routed,
+    unpack_hashes,
+)
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
-from prefixmesh.shared.wire import AllBlocksCleared, BlockStored, RoutingDecisionsEvent
+from prefixmesh.shared.wire import (
+    BUS_EVENT,
+    AllBlocksCleared,
+    BlockStored,
+    RoutingDecisionsEvent,
+    encode,
+)
 from tests.helpers import default_cost
 
 WORKERS = ("a", "b", "c")
@@ -80,6 +91,57 @@ def test_a_peer_decision_records_the_prefix_in_the_tree():
     follow = RouteInput(request_id="r1", block_hashes=inp.block_hashes + [7],
                         prompt_tokens=inp.prompt_tokens + BLOCK_SIZE, max_tokens=32)
     assert b.route(follow, 1.1).worker_id == d.worker_id
+
+
+def test_a_peer_decision_on_a_known_prefix_records_the_path_not_the_tail():
+    """The exploit shape (the tree holds most of the prompt): the peer puts the shared
+    path on the chosen worker and charges the load, without a node for the tail."""
+    a, b = _policies("e2", 2)
+    first = _req(0)
+    for p in (a, b):  # both know the prefix, on worker "c" (its KV events)
+        p.on_kv_events("c", [BlockStored(first.block_hashes[:8], None, [], BLOCK_SIZE)], 0.5)
+    inp = _req(5)  # the same 8 shared blocks, its own last block
+    d = a.route(inp, 1.0)
+    nodes = len(b.tree)
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0,
+                                                  decisions=[routed(inp, d)]), "B", 1.0)
+    assert len(b.tree) == nodes  # no leaf for the tail
+    node, m = b.tree.match(inp.block_hashes)
+    assert m == 8 and d.worker_id in node.workers and node.counts == {d.worker_id: 1}
+    assert b.worker_state(d.worker_id).L == pytest.approx(a.worker_state(d.worker_id).L)
+    # Its siblings follow it on b as on a.
+    sib = _req(10)
+    assert b.route(sib, 1.1).worker_id == a.route(sib, 1.1).worker_id
+
+
+def test_a_peer_decision_matching_inside_a_node_puts_the_worker_on_the_matched_part():
+    (b,) = _policies("e2", 1)
+    doc = list(range(5_000, 5_000 + 8 * BLOCK_SIZE))
+    b.on_kv_events("c", [BlockStored(block_hashes(doc), None, [], BLOCK_SIZE)], 0.5)
+    tokens = doc[: 6 * BLOCK_SIZE] + [1] * (2 * BLOCK_SIZE)  # 6 of its 8 blocks, then its own
+    inp = RouteInput(request_id="p", block_hashes=block_hashes(tokens),
+                     prompt_tokens=len(tokens), max_tokens=8)
+    nodes = len(b.tree)
+    apply_peer_decisions(b, RoutingDecisionsEvent(scheduler_id="A", ts=1.0, decisions=[
+        routed(inp, Decision("a", "explore"))]), "B", 1.0)
+    assert len(b.tree) == nodes + 1  # the split, no leaf for the two own blocks
+    node, m = b.tree.match(inp.block_hashes)
+    assert m == 6 and node.end == 6 and set(node.workers) == {"a", "c"}
+    assert node.counts == {"a": 1}
+
+
+def test_a_decision_carries_its_hashes_packed_and_a_peer_reads_them_back():
+    inp = _req(2)
+    wide = RouteInput(request_id="w", block_hashes=[2**64 - 1, 5], prompt_tokens=32,
+                      max_tokens=1)  # not a 64-bit signed hash: sent as a list
+    ev = RoutingDecisionsEvent(scheduler_id="A", ts=0.0, decisions=[
+        routed(inp, Decision("a", "explore")), routed(wide, Decision("a", "explore"))])
+    got = BUS_EVENT.decode(encode(ev))
+    assert isinstance(got, RoutingDecisionsEvent)
+    packed, listed = got.decisions
+    assert packed.block_hashes == [] and len(packed.packed_hashes) == 8 * len(inp.block_hashes)
+    assert list(unpack_hashes(packed)) == inp.block_hashes
+    assert listed.packed_hashes == b"" and list(unpack_hashes(listed)) == [2**64 - 1, 5]
 
 
 @pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "e2"])

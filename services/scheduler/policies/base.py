@@ -7,7 +7,7 @@ relative to the last ``now`` seen, so a restored policy may run on another clock
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -25,8 +25,9 @@ class RouteInput(msgspec.Struct, frozen=True):
     """What the edge knows about a request when it asks for a worker."""
 
     request_id: str
-    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain).
-    block_hashes: list[int]
+    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain); a
+    # peer's decision brings them as an int64 array (replicas.py), read without copying.
+    block_hashes: Sequence[int]
     prompt_tokens: int
     max_tokens: int
     tenant: str = ""

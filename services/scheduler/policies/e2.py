@@ -203,7 +203,16 @@ class E2Policy:
         corrects it here too. A ``pd_balance`` decision uses up the worker's load report
         here as well, and a request under a hot prefix sent to a worker still pending in
         its replica set seeds it here too (else every replica would send its own first
-        request there). Idempotent per (request id, worker)."""
+        request there). Idempotent per (request id, worker).
+
+        Only what later requests may share goes into the tree. When the tree already
+        holds at least half of the prompt (the exploit shape: missed < cached), the rest
+        is this request's own tail: its siblings share the matched path, which is
+        recorded on the worker, and the tail's KV events confirm it within a prefill.
+        Skipping it spares the new leaf (and its later eviction and pruning), about half
+        the cost of a remote decision. A colder prompt is recorded whole: its unmatched
+        part may be a new shared prefix that a burst's siblings must find on that worker
+        before any KV event arrives."""
         self._clock(now)
         ws = self._ws.get(decision.worker_id)
         if ws is None:
@@ -212,16 +221,25 @@ class E2Policy:
         if prior is not None and prior.ws is ws:
             return
         hashes = req.block_hashes
+        n = len(hashes)
         node, m = self.tree.match(hashes)
-        prompt = max(req.prompt_tokens, len(hashes) * self.block)
-        got = min(decision.matched_tokens // self.block, len(hashes))
+        prompt = req.prompt_tokens if req.prompt_tokens > n * self.block else n * self.block
+        got = decision.matched_tokens // self.block
+        if got > n:
+            got = n
         if decision.kind == "pd_balance":
             ws.pd_used = True
         if self.replicator.entries:
             rep = self.replicator.lookup(node)
             if rep is not None:
                 self.replicator.seeded(rep, ws.id)
-        self._record(req, ws, node, m, prompt, got, self._expected_output(req), now)
+        out = self._expected_output(req)
+        if m == n or 2 * m < n:
+            self._record(req, ws, node, m, prompt, got, out, now)
+            return
+        # The matched path only (split where the match ends inside a node, as routing does).
+        leaf = self.tree.record(node, m, hashes[:m], ws.id, now)
+        self._charge(req, ws, leaf, prompt, got, out, now)
 
     def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
         """``(L, M, P)`` of every eligible worker for ``req``, in seconds, without routing
@@ -410,12 +428,17 @@ class E2Policy:
         now: float,
     ) -> None:
         """Put the decision in the tree at once, charge L, model the worker's eviction."""
+        leaf = self.tree.record(node, m, req.block_hashes, ws.id, now)
+        self._charge(req, ws, leaf, prompt, got, out, now)
+
+    def _charge(self, req: RouteInput, ws: WorkerState, leaf: Node, prompt: int, got: int,
+                out: float, now: float) -> None:
+        """The worker's side of a decision recorded up to ``leaf``: its modelled eviction,
+        prefill backlog and window ``L``."""
         tree = self.tree
-        w = ws.id
-        leaf = tree.record(node, m, req.block_hashes, w, now)
-        over = tree.worker_blocks[w] - ws.capacity_blocks
+        over = tree.worker_blocks[ws.id] - ws.capacity_blocks
         if over > 0:
-            tree.evict_lru(w, over, protect=leaf)
+            tree.evict_lru(ws.id, over, protect=leaf)
         prefill = (ws.tables or self.tables).pt(prompt - got * self.block)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
         self.window.add(now, ws, leaf, req.request_id, prefill, prompt, out)
