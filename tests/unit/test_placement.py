@@ -219,6 +219,11 @@ def test_route_audit_prices_e2_new_homes():
     from prefixmesh.loadgen.route_audit import audit
 
     why: list[str] = []
-    classes, _, _ = audit(WorkloadSpec("toolbench", seed=0), "e2", 4, 54.72, 10.0, 3.0, why)
+    per_gpu: dict[str, dict[str, float]] = {}
+    classes, _, hit = audit(WorkloadSpec("toolbench", seed=0), "e2", 4, 54.72, 10.0, 3.0, why,
+                            per_gpu)
     assert len(why) == sum(c for k, c in classes.items() if k[3] == "new_home") > 0
+    assert sum(g["requests"] for g in per_gpu.values()) == sum(classes.values())
+    cached = sum(g["cached"] for g in per_gpu.values())
+    assert cached / sum(g["prompt"] for g in per_gpu.values()) == pytest.approx(hit)
     assert all("old home" in line and "backlog + interference" in line for line in why)
