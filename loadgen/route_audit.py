@@ -12,7 +12,10 @@ simulator and classifies every decision by three questions, printing the counts:
 
 A ``new_home`` decision puts a prefix's KV on one more GPU: under cache pressure that
 copy evicts something else. This is how the suite's cache-pressure loss was read
-(docs/sim-results.md).
+(docs/sim-results.md). ``--why`` (E2) prints each new-home decision's cost terms on the
+chosen GPU and on the prefix's cheapest old home: the load term ``W``, ``M``, ``P`` and the
+rest of the cost (prefill backlog and interference), and how much of the prompt the old
+home really still held. Each GPU's requests, average latency and hit ratio follow.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ from prefixmesh.services.worker.engine.types import SimEngineConfig
 
 
 def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: float,
-          pressure: float) -> tuple[Counter, float, float]:
-    """Decision classes, mean latency (s) and cache hit ratio of one simulated run."""
+          pressure: float, why: list[str] | None = None,
+          per_gpu: dict[str, dict[str, float]] | None = None) -> tuple[Counter, float, float]:
+    """Decision classes, mean latency (s) and cache hit ratio of one simulated run;
+    ``why`` (a list, E2 only) receives a line per new-home decision (``--why``),
+    ``per_gpu`` each GPU's requests, latency, prompt and cached tokens (sums)."""
     n = max(1, round(rate * duration_s))
     reqs = spec.requests(n)
     engine = (SimEngineConfig(num_blocks=pressure_blocks(reqs, gpus, pressure))
@@ -45,7 +51,13 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
     classes: Counter = Counter()
     route = sim.policy.route
 
+    priced = why is not None and hasattr(sim.policy, "costs")
+    chosen: dict[str, str] = {}
+
     def audited(req: RouteInput, now: float) -> Decision:
+        if priced:
+            terms = sim.policy.explain(req, now)  # type: ignore[attr-defined]
+            costs = sim.policy.costs(req, now)  # type: ignore[attr-defined]
         d = route(req, now)
         held = {w: e.cache.cached_prefix_tokens(req.block_hashes)
                 for w, e in sim.engines.items()}
@@ -54,15 +66,38 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
         to = "to_holder" if where == "somewhere" and held[d.worker_id] == most else "elsewhere"
         seen = homes.setdefault(prefix_of[req.request_id], set())
         home = "first" if not seen else "back_home" if d.worker_id in seen else "new_home"
+        if priced and home == "new_home" and why is not None:
+            old = min((w for w in seen if w in costs), key=costs.__getitem__)
+            why.append(f"{d.kind:10s} old home {old} holds {held[old]}/{req.prompt_tokens} "
+                       f"tokens; cost {costs[d.worker_id]:.3f} s there, old home +"
+                       + _gap(terms[old], costs[old], terms[d.worker_id], costs[d.worker_id]))
         seen.add(d.worker_id)
+        chosen[req.request_id] = d.worker_id
         classes[(d.kind, where, to, home)] += 1
         return d
 
     sim.policy.route = audited  # type: ignore[method-assign]
     run = sim.run(reqs, spec.times(rate, n))
     done = [r for r in run.results if r.ok]
+    if per_gpu is not None:
+        for i, r in enumerate(run.results):
+            if r.ok:
+                sums = per_gpu.setdefault(chosen[f"r{i}"], dict.fromkeys(
+                    ("requests", "latency_s", "prompt", "cached"), 0.0))
+                sums["requests"] += 1
+                sums["latency_s"] += r.latency_s
+                sums["prompt"] += r.prompt_tokens
+                sums["cached"] += r.cached_tokens
     hit = sum(r.cached_tokens for r in done) / max(sum(r.prompt_tokens for r in done), 1)
     return classes, statistics.mean(r.latency_s for r in done), hit
+
+
+def _gap(old: tuple[float, float, float], old_cost: float, new: tuple[float, float, float],
+         new_cost: float) -> str:
+    """Old home's cost minus the chosen GPU's, in total and per term (seconds)."""
+    rest = (old_cost - sum(old)) - (new_cost - sum(new))
+    return (f"{old_cost - new_cost:.3f} s (W {old[0] - new[0]:+.3f}, M {old[1] - new[1]:+.3f}, "
+            f"P {old[2] - new[2]:+.3f}, backlog + interference {rest:+.3f})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,16 +109,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
     p.add_argument("--cache-pressure", type=float, default=0.0)
     p.add_argument("--policies", default="e2,cache_aware")
+    p.add_argument("--why", action="store_true",
+                   help="print the cost terms of each E2 new-home decision")
     args = p.parse_args(argv)
     spec = WorkloadSpec.from_args(args)
     for policy in parse_names(args.policies):
+        why: list[str] | None = [] if args.why else None
+        per_gpu: dict[str, dict[str, float]] = {}
         classes, avg, hit = audit(spec, policy, args.gpus, args.rate, args.duration,
-                                  args.cache_pressure)
+                                  args.cache_pressure, why, per_gpu)
         print(f"{policy}: avg {avg:.3f} s, hit ratio {hit:.1%}")
         for key, count in sorted(classes.items()):
             print(f"  {' / '.join(key):55s} {count}")
         new = sum(c for k, c in classes.items() if k[3] == "new_home")
         print(f"  new homes: {new} of {sum(classes.values())}")
+        for w, c in sorted(per_gpu.items()):
+            n_w = c["requests"]
+            print(f"  {w}: {n_w:.0f} requests, avg {c['latency_s'] / n_w:.2f} s, "
+                  f"hit ratio {c['cached'] / max(c['prompt'], 1):.1%}")
+        for line in why or ():
+            print(f"    {line}")
     return 0
 
 

@@ -200,3 +200,30 @@ def test_route_audit_classifies_every_decision():
     # Round robin ignores the caches: some repeat of a prefix lands on a new GPU.
     assert sum(c for k, c in classes.items() if k[3] == "new_home") > 0
     assert sum(c for k, c in classes.items() if k[3] == "first") >= 1
+
+
+def test_e2_costs_are_what_route_compares():
+    p = e2_policy(2)
+    p.route(route_input("a", toks(1, 200)), 0.0)  # w? now caches toks(1) and has a backlog
+    probe = route_input("b", toks(2, 200))
+    terms, costs = p.explain(probe, 0.01), p.costs(probe, 0.01)
+    assert costs.keys() == terms.keys() == {"w0", "w1"}
+    for w, (load, m, prefill) in terms.items():
+        assert costs[w] >= load + m + prefill
+    # A cold prompt explores: it goes to the cheaper worker by these costs.
+    assert p.route(probe, 0.01).worker_id == min(costs, key=costs.__getitem__)
+
+
+def test_route_audit_prices_e2_new_homes():
+    from prefixmesh.loadgen.options import WorkloadSpec
+    from prefixmesh.loadgen.route_audit import audit
+
+    why: list[str] = []
+    per_gpu: dict[str, dict[str, float]] = {}
+    classes, _, hit = audit(WorkloadSpec("toolbench", seed=0), "e2", 4, 54.72, 10.0, 3.0, why,
+                            per_gpu)
+    assert len(why) == sum(c for k, c in classes.items() if k[3] == "new_home") > 0
+    assert sum(g["requests"] for g in per_gpu.values()) == sum(classes.values())
+    cached = sum(g["cached"] for g in per_gpu.values())
+    assert cached / sum(g["prompt"] for g in per_gpu.values()) == pytest.approx(hit)
+    assert all("old home" in line and "backlog + interference" in line for line in why)

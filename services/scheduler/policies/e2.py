@@ -257,6 +257,18 @@ class E2Policy:
                 out[w] = self.price.terms(ws, depths.get(w, 0), prompt)
         return out
 
+    def costs(self, req: RouteInput, now: float) -> dict[str, float]:
+        """The full cost ``route`` compares (load term, ``M``, ``P``, prefill backlog,
+        interference) of every eligible worker for ``req``, without routing it (for audits
+        of single decisions: loadgen/route_audit.py)."""
+        terms = self.explain(req, now)  # also expires the window and begins pricing
+        price = self.price
+        price.now, price.out = now, self._expected_output(req)
+        node, m = self.tree.match(req.block_hashes)
+        depths = self.tree.cached_depths(node, m) if m else {}
+        prompt = max(req.prompt_tokens, len(req.block_hashes) * self.block)
+        return {w: price.cost(self._ws[w], depths.get(w, 0), prompt) for w in terms}
+
     def _exploit(
         self,
         workers: Mapping[str, WorkerState],
