@@ -439,6 +439,19 @@ def run_bench(
     return out
 
 
+# The on/off options of the command line and what each turns on.
+SWITCHES = {
+    "--remote": "also time a peer replica learning each decision (apply_remote_decision): "
+                "remote_* figures",
+    "--remote-wire": "with --remote: the peer decodes each decision from the decisions "
+                     "subject's bytes first, as a replica does (timed with the applying)",
+    "--cpu-clock": "time with the thread's CPU clock (other processes' time slices on a "
+                   "shared machine do not count)",
+    "--memory": "measure the policy's memory after warmup + requests decisions "
+                "(tracemalloc, untimed) instead of timing",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``bench-scheduler --workload W --workers N --requests K --json OUT``."""
     ap = argparse.ArgumentParser(
@@ -457,18 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                     "workers, times workers / 16 with --scale-rate)")
     ap.add_argument("--scale-rate", action="store_true",
                     help="scale the default rate with the workers (the same load per worker)")
-    ap.add_argument("--remote", action="store_true",
-                    help="also time a peer replica learning each decision "
-                    "(apply_remote_decision): remote_* figures")
-    ap.add_argument("--remote-wire", action="store_true",
-                    help="with --remote: the peer decodes each decision from the decisions "
-                    "subject's bytes first, as a replica does (timed with the applying)")
-    ap.add_argument("--cpu-clock", action="store_true",
-                    help="time with the thread's CPU clock (other processes' time slices on "
-                    "a shared machine do not count)")
-    ap.add_argument("--memory", action="store_true",
-                    help="measure the policy's memory after warmup + requests decisions "
-                    "(tracemalloc, untimed) instead of timing")
+    for flag, text in SWITCHES.items():
+        ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here too")

@@ -173,6 +173,14 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
     }
 
 
+# Options naming a file or folder (none by default) and what each does (docs/benchmarks.md).
+PATH_OPTIONS = {
+    "--stalls": "run it under loadgen/stalls.py: GCs, loop lag, slow steps to this file",
+    "--profile": "run each spawned scheduler under cProfile: DIR/scheduler-I.prof at its stop",
+    "--baseline": "run the spawned scheduler from the prefixmesh package in this folder",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="prefixmesh bench-scheduler --live",
@@ -198,16 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default=PREFIX, help="subject / Redis key prefix")
     ap.add_argument("--external-scheduler", action="store_true",
                     help="a scheduler already serves --prefix on --nats-url: do not spawn one")
-    ap.add_argument("--stalls", type=Path, default=None,
-                    help="run the scheduler under loadgen/stalls.py: its garbage collections, "
-                    "event-loop lag and slow periodic steps go to this JSON-lines file, and "
-                    "the result sums those of the timed window")
-    ap.add_argument("--profile", type=Path, default=None,
-                    help="run each spawned scheduler under cProfile: its statistics go to "
-                    "DIR/scheduler-I.prof when it stops (warm-up included)")
-    ap.add_argument("--baseline", type=Path, default=None,
-                    help="run the spawned scheduler from the prefixmesh package in this folder "
-                    "(PYTHONPATH; e.g. an older checkout's folders linked as prefixmesh/...)")
+    for flag, text in PATH_OPTIONS.items():
+        ap.add_argument(flag, type=Path, default=None, help=text)
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
     if args.external_scheduler and not args.nats_url:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -256,15 +256,20 @@ def _versus(by_seed: dict, one: dict) -> tuple[list, float, float, float, float]
             p99 / _mean(ref, "latency_p99_s") - 1)
 
 
+def _panels(runs: Sequence[dict]) -> Iterator[tuple[tuple, dict, dict]]:
+    """Each panel's key, its points and its one-scheduler reference (panels without one
+    are skipped), in a stable order."""
+    for key, points in sorted(_groups(runs).items(), key=str):
+        one = points.get((1, 0.0, "yes"))
+        if one is not None:
+            yield key, points, one
+
+
 def replica_matrix(runs: Sequence[dict]) -> str:
     """Markdown, compact: per panel, schedulers x sync delay, each cell the change of the
     mean average / p99 latency against one scheduler with no delay (decisions shared)."""
     out: list[str] = []
-    for (workload, gpus, rate, policy, local), points in sorted(_groups(runs).items(),
-                                                                key=str):
-        one = points.get((1, 0.0, "yes"))
-        if one is None:
-            continue
+    for (workload, gpus, rate, policy, local), points, one in _panels(runs):
         delays = sorted({d for _, d, mode in points if mode == "yes"})
         counts = sorted({n for n, _, mode in points if mode == "yes"})
         out.append(f"{workload}, {gpus} GPUs, {rate:g} req/s, {policy}/{local}: one "
@@ -289,11 +294,7 @@ def replica_report(runs: Sequence[dict]) -> str:
     """Markdown: per (workload, GPUs, rate, policy), each (schedulers, delay) point against
     one scheduler with no delay, means over the seeds both ran."""
     out: list[str] = []
-    for (workload, gpus, rate, policy, local), points in sorted(_groups(runs).items(),
-                                                                key=str):
-        one = points.get((1, 0.0, "yes"))
-        if one is None:
-            continue
+    for (workload, gpus, rate, policy, local), points, one in _panels(runs):
         out.append(f"### {workload}, {gpus} GPUs, {rate:g} req/s, {policy}/{local}\n")
         out.append("| schedulers | sync delay ms | decisions shared | seeds | avg s | p99 s "
                    "| hit | failed | avg vs 1 | p99 vs 1 |")

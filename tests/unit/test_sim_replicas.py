@@ -44,12 +44,18 @@ def _done(rid: str, worker: str, tokens: int = 8) -> RequestDoneEvent:
                             ttft_s=0.1, latency_s=1.0, finish_reason="stop")
 
 
-def test_e2_replica_learns_the_load_and_the_cache_of_a_remote_decision():
+def _routed_and_learnt(prefix: list[int], tail: list[int], learnt_at: float = 0.0):
+    """Two E2 replicas: ``a`` routes ``r0`` (prefix + tail), ``b`` learns that decision."""
     a, b = e2_policy(), e2_policy()
-    prefix = toks(1, 100)
-    first = route_input("r0", prefix, toks(1000, 2))
+    first = route_input("r0", prefix, tail)
     d = a.route(first, 0.0)
-    b.apply_remote_decision(first, d, 0.001)
+    b.apply_remote_decision(first, d, learnt_at)
+    return a, b, first, d
+
+
+def test_e2_replica_learns_the_load_and_the_cache_of_a_remote_decision():
+    prefix = toks(1, 100)
+    a, b, first, d = _routed_and_learnt(prefix, toks(1000, 2), 0.001)
     assert b.worker_state(d.worker_id).L == pytest.approx(a.worker_state(d.worker_id).L)
     assert b.worker_state(d.worker_id).L > 0
     # Twice the same decision counts once.
@@ -78,11 +84,8 @@ def test_e2_completion_corrects_a_remote_decision_and_unknown_workers_are_ignore
 
 
 def test_e2_remote_request_seeds_a_pending_hot_prefix_replica():
-    a, b = e2_policy(), e2_policy()
     prefix = toks(20, 100)
-    first = route_input("r0", prefix, toks(21, 2))
-    d = a.route(first, 0.0)
-    b.apply_remote_decision(first, d, 0.0)
+    _, b, first, d = _routed_and_learnt(prefix, toks(21, 2))
     node, _ = b.tree.match(first.block_hashes)
     target = next(w for w in b.workers if w != d.worker_id)
     rep = Replica(0.0, 1)
