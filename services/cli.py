@@ -35,9 +35,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"--gpu-profiles: {exc}", file=sys.stderr)
             return 2
-    if opts.workers < 1:
-        print("--workers must be at least 1", file=sys.stderr)
-        return 2
+    for name in ("workers", "edges", "schedulers", "tokenizers", "nats_cluster"):
+        if getattr(opts, name) < 1:
+            print(f"--{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
     return run_up(opts, args.state_file)
 
 

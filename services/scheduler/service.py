@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 import redis.asyncio as aioredis
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -240,10 +241,18 @@ class SchedulerService:
         return reply
 
     async def _tell_peers(self, told: list) -> None:
-        """Publish this turn's decisions for the other replicas (``sched.decisions``)."""
-        if told:
+        """Publish this turn's decisions for the other replicas (``sched.decisions``).
+        Best effort: the decisions are made and charged here, so a failed publish (the
+        connection closing or reconnecting) must not turn them into an error for the edge
+        or keep a placed request from its worker; peers then learn of that load from the
+        workers' reports instead."""
+        if not told:
+            return
+        try:
             await self.bus.publish(self.bus.subjects.sched_decisions, RoutingDecisionsEvent(
                 scheduler_id=self.instance_id, ts=time.time(), decisions=told))
+        except nats.errors.Error as exc:
+            log.warning("decisions not told to the other replicas: %s", exc)
 
     async def _place(self, m: Msg) -> None:
         """``sched.place``: decide, then pass the request's bytes on to the chosen worker,

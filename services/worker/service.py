@@ -395,16 +395,20 @@ class WorkerService:
             self._flush_ready.clear()
             streams, self._stream_out = self._stream_out, {}
             batch, self._done_out = self._done_out, []
-            try:
-                for subject, events in streams.items():
-                    await bus.publish(subject, events[0] if len(events) == 1
-                                      else StreamBatch(events=events))
-                if batch:
-                    await bus.publish(bus.subjects.done, batch[0] if len(batch) == 1
-                                      else RequestDoneBatch(events=batch))
-            except Exception as exc:  # NATS gone past its buffer: edges resume, as for
-                # any lost event (replay.py), and the scheduler's window ages the requests
-                log.warning("could not publish a step's events: %s", exc)
+            out: list[tuple[str, msgspec.Struct]] = [
+                (subject, events[0] if len(events) == 1 else StreamBatch(events=events))
+                for subject, events in streams.items()]
+            if batch:
+                out.append((bus.subjects.done, batch[0] if len(batch) == 1
+                            else RequestDoneBatch(events=batch)))
+            # One message failing (NATS gone past its buffer) loses only its own events:
+            # its edge resumes, as for any lost event (replay.py), and the scheduler's window
+            # ages requests whose records were lost; the other messages still go.
+            for subject, msg in out:
+                try:
+                    await bus.publish(subject, msg)
+                except Exception as exc:
+                    log.warning("could not publish a step's events on %s: %s", subject, exc)
 
     async def _load_loop(self, bus: Bus) -> None:
         while True:
