@@ -17,11 +17,16 @@ prefixmesh service (and of NATS itself, with its data directory).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -33,8 +38,14 @@ from prefixmesh.services.edge.batch_format import (
     encode_record,
 )
 
+log = logging.getLogger(__name__)
+
 # Seconds a listing watch waits for the server's "no more entries" marker.
 LIST_TIMEOUT_S = 5.0
+# Seconds the edge waits at start for JetStream to answer (a cluster electing its meta
+# leader), and between two tries.
+JETSTREAM_READY_S = 30.0
+JETSTREAM_RETRY_S = 0.5
 
 
 class BatchStore:
@@ -48,9 +59,24 @@ class BatchStore:
         self.files = files
 
     @classmethod
-    async def open(cls, nc: Client, prefix: str, replicas: int = 1) -> BatchStore:
+    async def open(cls, nc: Client, prefix: str, replicas: int = 1,
+                   ready_timeout_s: float = JETSTREAM_READY_S) -> BatchStore:
         """Bind to (creating when missing, kept on ``replicas`` NATS nodes) the prefix's
-        KV bucket and object store."""
+        KV bucket and object store, waiting up to ``ready_timeout_s`` for JetStream: a
+        clustered JetStream answers only once its nodes have elected a meta leader, which
+        can take seconds after they start (or after one of them restarts)."""
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            try:
+                return await cls._bind(nc, prefix, replicas)
+            except (nats.errors.TimeoutError, ServiceUnavailableError) as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("JetStream not ready yet (%s); asking again", exc)
+                await asyncio.sleep(JETSTREAM_RETRY_S)
+
+    @classmethod
+    async def _bind(cls, nc: Client, prefix: str, replicas: int) -> BatchStore:
         js = nc.jetstream()
         name = prefix.replace("-", "_")
         bucket = f"{name}_batch"
