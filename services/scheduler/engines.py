@@ -10,17 +10,35 @@ wait for its first KV batch. Workers that send no id ("") are left to the sequen
 
 from __future__ import annotations
 
+# Replaced engine ids remembered per worker.
+MAX_RETIRED = 16
+
 
 class EngineIds:
-    """The latest engine id seen for each worker."""
+    """The latest engine id seen for each worker, and the ids it has replaced."""
 
     def __init__(self) -> None:
         self.ids: dict[str, str] = {}
+        # Ids a worker's restarts replaced: load reports and KV batches come on separate
+        # subscriptions, so one of the old engine's may still arrive after the new id was
+        # seen; it is stale, not another restart.
+        self.retired: dict[str, set[str]] = {}
+
+    def stale(self, worker: str, engine_id: str) -> bool:
+        """True when ``engine_id`` is an engine ``worker`` has already replaced."""
+        return bool(engine_id) and engine_id in self.retired.get(worker, ())
 
     def restarted(self, worker: str, engine_id: str) -> bool:
-        """Note ``engine_id`` for ``worker``; True when it replaces another one."""
-        if not engine_id:
+        """Note ``engine_id`` for ``worker``; True when it replaces another one (a retired
+        id never does: ask ``stale`` first and drop what it carries)."""
+        if not engine_id or self.stale(worker, engine_id):
             return False
         old = self.ids.get(worker)
         self.ids[worker] = engine_id
-        return old is not None and old != engine_id
+        if old is None or old == engine_id:
+            return False
+        retired = self.retired.setdefault(worker, set())
+        if len(retired) >= MAX_RETIRED:
+            retired.clear()  # restarts this many are long past: their messages are too
+        retired.add(old)
+        return True

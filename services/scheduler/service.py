@@ -308,6 +308,8 @@ class SchedulerService:
     async def _on_event(self, ev: object) -> None:
         now, pnow = time.monotonic(), self.policy_now()
         if isinstance(ev, LoadReportEvent):
+            if self.engines.stale(ev.worker_id, ev.engine_id):
+                return  # a late report of an engine the worker has replaced
             if ev.worker_id not in self.last_seen or ev.worker_id not in self.policy.workers:
                 log.info("worker %s joined (%d blocks)", ev.worker_id, ev.total_blocks)
                 self.policy.add_worker(ev.worker_id, ev.total_blocks * ev.block_size, pnow)
@@ -332,6 +334,8 @@ class SchedulerService:
 
     async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
         w = batch.worker_id
+        if self.engines.stale(w, batch.engine_id):
+            return  # blocks of an engine the worker has replaced: gone with it
         lag = max(time.time() - batch.ts, 0.0)
         KV_LAG.observe(lag)
         self._lag_sum += lag
