@@ -39,6 +39,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if getattr(opts, name) < 1:
             print(f"--{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if opts.port:
+        from prefixmesh.shared.runtime.servers import port_open
+
+        taken = [opts.port + i for i in range(opts.edges) if port_open(opts.host, opts.port + i)]
+        if taken:
+            print(f"--port: the edges need ports {opts.port}-{opts.port + opts.edges - 1}; "
+                  f"in use: {', '.join(map(str, taken))}", file=sys.stderr)
+            return 2
     return run_up(opts, args.state_file)
 
 

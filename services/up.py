@@ -37,6 +37,7 @@ from prefixmesh.shared.runtime.servers import (
     NatsCluster,
     child_env,
     free_port,
+    free_ports,
     get_json,
     port_open,
     start_nats,
@@ -138,7 +139,7 @@ class LocalMesh:
         self.nats_cluster: NatsCluster | None = None
         self.redis_url = opts.redis_url
         if opts.port == 0:
-            opts.port = free_port()
+            opts.port = free_ports(opts.edges)
         if opts.metrics_port == 0:
             opts.metrics_port = free_port()
         # One profile per own worker; a mixed fleet serves one model name (the first
@@ -253,8 +254,9 @@ class LocalMesh:
     def _check_alive(self) -> None:
         for p in self.services:
             if not p.alive():
-                raise RuntimeError(f"{p.name} exited with {p.returncode}; "
-                                   f"see {self.log_dir / (p.name + '.log')}")
+                path = self.log_dir / (p.name + ".log")
+                raise RuntimeError(f"{p.name} exited with {p.returncode} "
+                                   f"({last_log_line(path) or 'no log'}); see {path}")
 
     def _wait_ready(self) -> None:
         start = time.monotonic()

@@ -26,7 +26,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StorageType
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -69,7 +69,9 @@ class BatchStore:
         while True:
             try:
                 return await cls._bind(nc, prefix, replicas)
-            except (nats.errors.TimeoutError, ServiceUnavailableError) as exc:
+            except (nats.errors.TimeoutError, APIError) as exc:
+                # APIError covers "JetStream unavailable" and a create raced by another
+                # edge creating the same bucket (the next lookup finds it).
                 if time.monotonic() >= deadline:
                     raise
                 log.info("JetStream not ready yet (%s); asking again", exc)

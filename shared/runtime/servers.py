@@ -11,6 +11,7 @@ import ctypes
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -54,6 +55,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Where free_ports looks for a block: below Linux's ephemeral range (32768-60999), so an
+# outgoing connection cannot take a port of the block between the check and the bind.
+_BLOCK_PORTS = range(20000, 32000)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive unused TCP ports on 127.0.0.1 (best effort);
+    one port is ``free_port()``."""
+    if count <= 1:
+        return free_port()
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(_BLOCK_PORTS.start, _BLOCK_PORTS.stop - count)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports in {_BLOCK_PORTS}")
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

@@ -4,9 +4,14 @@ scheduler routes to all of them; and what it says while it waits."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
+import pytest
+
+from prefixmesh.services.cli import main as cli_main
 from prefixmesh.services.up import awaited, last_log_line
+from prefixmesh.shared.runtime.servers import free_ports
 
 
 def cluster(workers: dict[str, bool], scheduler_knows: int | None) -> dict:
@@ -45,3 +50,24 @@ def test_last_log_line_drops_the_log_prefix_and_splits_progress_bars(tmp_path: P
     assert last_log_line(log) == "Converting...:  55%|#####  | 150/272"
     log.write_text("2026-01-01 10:00:00,000 INFO worker x [-] worker w0 ready\n")
     assert last_log_line(log) == "worker w0 ready"
+
+
+def test_edge_ports_are_a_free_block_and_a_taken_one_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    first = free_ports(3)
+    held = []
+    for port in range(first, first + 3):  # every port of the block binds
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        held.append(s)
+    held[1].listen()
+    try:
+        # --port naming a block whose second port is taken: a 2 exit naming it.
+        assert cli_main(["up", "--port", str(first), "--edges", "2"]) == 2
+        assert f"in use: {first + 1}" in capsys.readouterr().err
+    finally:
+        for s in held:
+            s.close()
+    for flag in ("--edges", "--schedulers", "--tokenizers", "--nats-cluster", "--workers"):
+        assert cli_main(["up", flag, "0"]) == 2
+        assert f"{flag} must be at least 1" in capsys.readouterr().err
