@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, pressure_blocks
-from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args, parse_names
-from prefixmesh.loadgen.policy_variants import parse_variant
+from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
+from prefixmesh.loadgen.policy_variants import parse_variant, split_variants
 from prefixmesh.services.scheduler.policies.base import Decision, RouteInput
 from prefixmesh.services.worker.engine.types import SimEngineConfig
 
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="print the cost terms of each E2 new-home decision")
     args = p.parse_args(argv)
     spec = WorkloadSpec.from_args(args)
-    for policy in parse_names(args.policies):
+    for policy in split_variants(args.policies):
         why: list[str] | None = [] if args.why else None
         per_gpu: dict[str, dict[str, float]] = {}
         classes, avg, hit = audit(spec, policy, args.gpus, args.rate, args.duration,

@@ -119,18 +119,24 @@ def capacity(cfg: SuiteConfig, seed: int) -> float:
     return lo
 
 
-def run_config(cfg: SuiteConfig, seeds: Sequence[int], requests: int) -> list[dict]:
-    """Every policy at ``LOADS`` of the capacity, for each seed."""
+def run_config(cfg: SuiteConfig, seeds: Sequence[int], requests: int,
+               e2_knobs: str = "") -> list[dict]:
+    """Every policy at ``LOADS`` of the capacity, for each seed; E2 with ``e2_knobs``
+    (``knob=value,...`` of PolicyConfig) when given, still labelled ``e2``."""
+    e2 = f"e2:{e2_knobs}" if e2_knobs else "e2"
+    policies = [e2 if p == "e2" else p for p in POLICIES]
     rows: list[dict] = []
     fleet = cfg.fleet()
     cap = capacity(cfg, seeds[0])  # one capacity per configuration: seeds share rates
     for seed in seeds:
         rates = [round(f * cap, 3) for f in LOADS]
         spec = WorkloadSpec(cfg.workload, arrivals=cfg.arrivals, seed=seed)
-        got = sweep(spec, cfg.gpus, rates, POLICIES, ["prefix_fair"], DEFAULT_PROFILE,
+        got = sweep(spec, cfg.gpus, rates, policies, ["prefix_fair"], DEFAULT_PROFILE,
                     requests / rates[-1], progress=False, gpu_profiles=fleet,
                     cache_pressure=cfg.cache_pressure)
         for r in got:
+            if r["policy"] == e2:
+                r.update(policy="e2", e2_knobs=e2_knobs)
             r.update(config=cfg.name, arrivals=cfg.arrivals, load=LOADS[rates.index(r["rate"])])
         rows.extend(got)
     annotate_ideal(rows)
@@ -195,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=REQUESTS,
                    help="requests of the heaviest load of each run")
     p.add_argument("--only", default="", help="comma-separated configuration names to run")
+    p.add_argument("--e2", default="", metavar="KNOBS",
+                   help="judge this E2 variant instead of the default: PolicyConfig "
+                   "knob=value pairs, comma-separated (e.g. queue_weight=1)")
     p.add_argument("--json", type=Path, default=None,
                    help="results (default results/suite-NAME.json)")
     args = p.parse_args(argv)
@@ -206,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     for cfg in configs:
-        got = run_config(cfg, seeds, args.requests)
+        got = run_config(cfg, seeds, args.requests, args.e2)
         rows.extend(got)
         summary[cfg.name] = summarize_config(got)
         print(f"  {cfg.name}: done ({time.perf_counter() - t0:.0f}s wall)", file=sys.stderr,
@@ -214,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = report(args.suite, summary)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"suite": args.suite, "seeds": seeds, "loads": LOADS,
+                               "e2_knobs": args.e2,
                                "configs": [asdict(c) for c in configs], "summary": summary,
                                "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)},
                               indent=1))

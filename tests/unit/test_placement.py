@@ -227,3 +227,28 @@ def test_route_audit_prices_e2_new_homes():
     cached = sum(g["cached"] for g in per_gpu.values())
     assert cached / sum(g["prompt"] for g in per_gpu.values()) == pytest.approx(hit)
     assert all("old home" in line and "backlog + interference" in line for line in why)
+
+
+def test_route_audit_takes_policy_variants_with_several_knobs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from prefixmesh.loadgen.route_audit import main
+
+    assert main(["--workload", "toolbench", "--rate", "20", "--duration", "2",
+                 "--policies", "e2:th_bal=inf,affinity_prefill_slack=0,cache_aware"]) == 0
+    out = capsys.readouterr().out
+    assert "e2:th_bal=inf,affinity_prefill_slack=0: avg" in out and "cache_aware: avg" in out
+
+
+def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
+    import json
+
+    from prefixmesh.loadgen.suite import main
+
+    out = tmp_path / "suite.json"
+    assert main(["--suite", "quick", "--only", "multiturn-4gpu", "--seeds", "0",
+                 "--requests", "30", "--e2", "th_bal=inf", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    e2_rows = [r for r in got["runs"] if r["policy"] == "e2"]
+    assert got["e2_knobs"] == "th_bal=inf" and len(e2_rows) == 3  # one per load
+    assert all(r["e2_knobs"] == "th_bal=inf" for r in e2_rows)
+    assert all("e2" in s["policies"] for s in got["summary"]["multiturn-4gpu"])
