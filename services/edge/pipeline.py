@@ -362,6 +362,11 @@ class MeshClient:
                 # Output tokens received so far; this edge's reconnect count when the
                 # stream was last known complete (a later reconnect may have lost events).
                 next_index, synced_at = 0, self.reconnects()
+                # A resend was asked for and may still come; a done event that arrives
+                # before it, short of tokens, waits for it (a tick at most, then the
+                # request fails as lost).
+                resend_due = False
+                held: RequestDoneEvent | None = None
                 while True:
                     remaining = deadline - time.time()
                     if remaining <= 0:
@@ -384,11 +389,24 @@ class MeshClient:
                                 raise WorkerLost(worker_id)
                             break  # nothing sent yet: place it again
                         if known:
-                            synced_at = marker
+                            synced_at, resend_due = marker, True
                             continue
                         synced_at = -1  # unanswered: ask again next tick
                         if event is not None:
                             continue  # the chunk after the gap: the resend carries it
+                    if (isinstance(event, RequestDoneEvent) and resend_due
+                            and next_index < event.completion_tokens):
+                        # Chunks before it were lost and their resend (which ends with
+                        # the done event again) is on its way: wait for it.
+                        held, resend_due = event, False
+                        continue
+                    if event is None and held is not None:
+                        # The resend did not come within a tick: the tokens are lost, and
+                        # the caller is told so (retriable) rather than handed a short
+                        # completion that looks whole.
+                        log.warning("%s: resend from token %d did not come", wire_id,
+                                    next_index)
+                        raise WorkerLost(worker_id)
                     if event is None:  # nothing for a tick: is the worker still alive?
                         if not self._silent(worker_id, submitted_at):
                             continue

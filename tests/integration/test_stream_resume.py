@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.bus import Bus
@@ -132,3 +134,67 @@ async def test_after_a_reconnect_the_edge_fetches_a_lost_ending(bus: Bus, nats_s
             MeshTimeouts(worker_silence_s=0, request_s=30), 1, outage, reconnect=True)
     assert len(got) == 20 and len(done) == 1 and done[0].completion_tokens == 20
     assert mesh.resumes == 1
+
+
+@pytest.mark.parametrize("resent", [True, False])
+async def test_a_chunk_lost_right_before_the_done_event_is_fetched(bus: Bus,
+                                                                   resent: bool) -> None:
+    """A worker (scripted here, on the real bus) whose second chunk never reaches the edge
+    and whose done event, carrying the last chunk, does: the edge asks for the rest and
+    hands the caller every token before the done event, none short. A worker that
+    accepts the resume but never resends: the request fails as lost (retriable) within a
+    tick, neither hanging nor ending short as if whole."""
+    from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts, WorkerLost
+    from prefixmesh.shared.wire import WORKER_REQUEST, SubmitReply, encode
+
+    resumes: list[int] = []
+
+    def chunk(index: int, n: int) -> GenerateChunkEvent:
+        return GenerateChunkEvent(request_id="q1", index=index,
+                                  token_ids=list(range(index, index + n)), text="x" * n)
+
+    def done(last: GenerateChunkEvent | None) -> RequestDoneEvent:
+        return RequestDoneEvent(request_id="q1", worker_id="wq", completion_tokens=9,
+                                last=last)
+
+    async def worker(msg) -> None:
+        req = WORKER_REQUEST.decode(msg.data)
+        await msg.respond(encode(SubmitReply(request_id=req.request_id, worker_id="wq")))
+        if isinstance(req, TokenizedRequest):
+            reply_to = req.reply_to
+            streams[req.request_id] = reply_to
+            await bus.publish(reply_to, chunk(0, 3))
+            # chunk(3, 3) is lost on the way; the done event carries chunk(6, 3).
+            await bus.publish(reply_to, done(chunk(6, 3)))
+        elif isinstance(req, ResumeRequest):
+            resumes.append(req.from_index)
+            reply_to = streams[req.request_id]
+            if not resent:
+                return
+            await bus.publish(reply_to, chunk(req.from_index, 9 - req.from_index))
+            await bus.publish(reply_to, done(None))
+
+    streams: dict[str, str] = {}
+    await bus.subscribe_raw(bus.subjects.worker_submit("wq"), worker)
+    mesh = MeshClient(bus, "eq", MeshTimeouts(worker_silence_s=0, request_s=10), predict=False)
+    await bus.subscribe(bus.subjects.stream_inbox("eq"), STREAM_EVENT, mesh.streams.on_event)
+    got: list[int] = []
+    finals: list[RequestDoneEvent] = []
+
+    async def consume() -> None:
+        async for ev in mesh.generate("q1", list(range(50)), SamplingParams(max_tokens=9),
+                                      tenant="", worker_id="wq"):
+            if isinstance(ev, RequestDoneEvent):
+                finals.append(ev)
+            else:
+                assert ev.index == len(got)  # in order, nothing twice
+                got.extend(ev.token_ids)
+
+    if resent:
+        await consume()
+        assert got == list(range(9)) and len(finals) == 1 and finals[0].completion_tokens == 9
+    else:  # a retriable error, never a short completion that looks whole
+        with pytest.raises(WorkerLost):
+            await consume()
+        assert got == [0, 1, 2] and not finals
+    assert resumes == [3]
