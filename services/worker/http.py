@@ -285,7 +285,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         async for i, ev in events:
             apply(i, ev)
             await send_sse(resp, out[0])
-    await close_sse(resp)
+    await close_sse(request, resp)
     return resp
 
 

@@ -128,5 +128,5 @@ async def stream_choices(request: web.Request, meta: ResponseMeta, parsed: Parse
                                cached_tokens=event.cached_tokens), index in counted)
     if parsed.include_usage:
         await send_sse(resp, usage_chunk(meta, usage))
-    await close_sse(resp)
+    await close_sse(request, resp)
     return resp, StreamOutcome(usage, ttft)

@@ -21,6 +21,8 @@ StatusSink = Callable[[str, int], None]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # Status recorded for requests whose client disconnected before the answer (nginx's 499).
 CLIENT_CLOSED = 499
+# Request key: the status of a streamed answer whose end (``[DONE]``) was written.
+ANSWERED = web.RequestKey("prefixmesh.answered", int)
 
 
 def error_response(err: ApiError) -> web.Response:
@@ -40,7 +42,7 @@ def errors_middleware(on_status: StatusSink | None = None) -> Any:
             resp = await handler(request)
         except asyncio.CancelledError:  # the client went away (its request was aborted)
             if on_status is not None:
-                on_status(route, CLIENT_CLOSED)
+                on_status(route, request.get(ANSWERED, CLIENT_CLOSED))
             raise
         except ApiError as err:
             resp = error_response(err)
@@ -87,7 +89,10 @@ async def send_sse(resp: web.StreamResponse, obj: Any) -> None:
     await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
 
-async def close_sse(resp: web.StreamResponse) -> None:
-    """End the stream as OpenAI does: ``data: [DONE]``."""
+async def close_sse(request: web.Request, resp: web.StreamResponse) -> None:
+    """End the stream as OpenAI does: ``data: [DONE]``. From then on the answer counts
+    as given (``errors_middleware``): a client that closes the connection on ``[DONE]``,
+    before the stream's last bytes, went away with everything."""
     await resp.write(b"data: [DONE]\n\n")
+    request[ANSWERED] = resp.status
     await resp.write_eof()
