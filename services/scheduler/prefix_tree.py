@@ -336,6 +336,16 @@ class PrefixTree:
         self.touch(node, worker, now)
         return node
 
+    def record_path(self, node: Node, matched: int, worker: str, now: float) -> Node:
+        """``record`` of the matched part of a path only (``matched`` > 0 blocks, ending in
+        ``node``), i.e. ``record(node, matched, hashes[:matched], worker, now)`` without
+        the slice: split ``node`` where the match ends inside it, then ``touch``. Returns
+        the node the path ends in."""
+        if matched < node.start + len(node.hashes):
+            node = self._split(node, matched - node.start)
+        self.touch(node, worker, now)
+        return node
+
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after ``k`` blocks; a new node takes the upper part (returned)."""
         parent = node.parent

@@ -80,12 +80,11 @@ def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id
     many were applied."""
     if ev.scheduler_id == own_id:
         return 0
+    # Straight from the wire struct (``apply_routed``): no RouteInput and Decision built
+    # per decision, as ``apply_remote_decision`` would need.
+    apply = policy.apply_routed
     for d in ev.decisions:
-        policy.apply_remote_decision(
-            RouteInput(request_id=d.request_id, block_hashes=unpack_hashes(d),
-                       prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
-                       tenant=d.tenant, predicted_output=d.predicted_output),
-            Decision(d.worker_id, d.kind, d.matched_tokens), now)
+        apply(d, unpack_hashes(d), now)
     return len(ev.decisions)
 
 

@@ -209,3 +209,34 @@ def test_index_updates_are_applied_a_few_at_a_time_not_all_at_the_next_tick() ->
         inserted.append(hashes[-1])
         assert sum(len(n.hashes) for n in tree._index_q) < INDEX_QUEUE_HASHES
     assert all(tree.node_of(h) is not None for h in inserted)
+
+
+def _lru_state(tree: PrefixTree) -> list:
+    """Every node (run, caching stamps, counts, last access, id) and every worker's LRU
+    order and block count: what a recorded decision changes."""
+    nodes = [(n.nid, n.start, n.hashes, dict(n.workers), dict(n.counts), n.last_access)
+             for n in tree.nodes()]
+    lru = {w: [n.nid for n in tree.worker_lru(w)] for w in sorted(tree.worker_blocks)}
+    return [sorted(nodes), lru, dict(tree.worker_blocks), tree.n_nodes, tree.n_blocks]
+
+
+def test_record_path_records_what_record_of_the_matched_slice_records():
+    """``record_path`` (a peer's decision on the matched path) = ``record`` of
+    ``hashes[:m]``, whether the match ends at a node's end or inside it (a split)."""
+    shared, doc = toks(1, 6), toks(2, 8)
+    for cut in (8, 5):  # at the end of the document's node, then inside it
+        prompt = chain(shared, doc[: cut * BLOCK_SIZE], toks(3, 2))
+        trees = []
+        for fast in (False, True):
+            tree = PrefixTree()
+            tree.touch(tree.insert(chain(shared, doc), 0.5), "a", 0.5)
+            tree.touch(tree.insert(chain(shared, toks(4, 3)), 0.6), "b", 0.6)
+            node, m = tree.match(prompt)
+            assert m == 6 + cut and m < len(prompt)
+            if fast:
+                leaf = tree.record_path(node, m, "b", 1.0)
+            else:
+                leaf = tree.record(node, m, prompt[:m], "b", 1.0)
+            assert leaf.end == m
+            trees.append(_lru_state(tree))
+        assert trees[0] == trees[1]

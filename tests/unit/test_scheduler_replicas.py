@@ -188,3 +188,58 @@ def test_with_no_workers_a_replica_routes_after_the_least_wait():
     c = CatchUp(start=10.0, min_wait_s=0.5, timeout_s=5.0)
     assert not c.check(10.2)
     assert c.check(10.5)
+
+
+def _e2_state(p) -> list:
+    """What E2 records of decisions: the tree (runs, caching stamps, counts, last
+    access, ids, LRU orders), the window (entries and the rid index) and each worker's
+    load, backlog and report use."""
+    t = p.tree
+    t.flush()
+    nodes = sorted((n.nid, n.start, n.hashes, dict(n.workers), dict(n.counts), n.last_access)
+                   for n in t.nodes())
+    lru = {w: [n.nid for n in t.worker_lru(w)] for w in sorted(t.worker_blocks)}
+    win = p.window
+    entries = [(e.t, e.ws.id, e.cost, e.leaf.nid, e.rid, e.dt_tok, e.out_est)
+               for e in win.entries]
+    workers = [(w, p.worker_state(w).L, p.worker_state(w).n, p.worker_state(w).busy_until,
+                p.worker_state(w).pd_used) for w in sorted(p.workers)]
+    return [nodes, lru, dict(t.worker_blocks), t.n_nodes, t.next_nid, entries,
+            sorted(win.by_rid), workers]
+
+
+def test_a_peer_decision_off_the_wire_records_what_apply_remote_decision_records():
+    """``apply_peer_decisions`` (``apply_routed``: no RouteInput or Decision built) and
+    ``apply_remote_decision`` on the same decisions leave identical state: exploit-shape
+    decisions (matched path only, at a node's end and inside a node), cold prompts
+    (recorded whole), a predicted output, a pd_balance decision, a repeat and a decision
+    for an unknown worker. Each window entry also charges what the deciding replica
+    charged (the same prefill, output estimate and DT)."""
+    a, old, new = _policies("e2", 3)
+    doc = list(range(5_000, 5_000 + 8 * BLOCK_SIZE))
+    for p in (a, old, new):
+        p.on_kv_events("c", [BlockStored(block_hashes(doc), None, [], BLOCK_SIZE)], 0.5)
+    reqs = [_req(i) for i in range(12)]  # five shared heads, each with its own block
+    reqs.append(RouteInput(request_id="inside", block_hashes=block_hashes(
+        doc[: 6 * BLOCK_SIZE] + [1] * (2 * BLOCK_SIZE)), prompt_tokens=8 * BLOCK_SIZE + 3,
+        max_tokens=4, predicted_output=9.0))
+    decisions = []
+    for i, inp in enumerate(reqs):
+        decisions.append((inp, a.route(inp, 1.0 + 0.01 * i)))
+    decisions.append((_req(20), Decision("b", "pd_balance", 0)))
+    decisions.append(decisions[3])  # delivered twice: counts once
+    decisions.append((_req(21), Decision("gone", "explore", 0)))
+    for k, (inp, d) in enumerate(decisions):
+        now = 2.0 + 0.01 * k
+        old.apply_remote_decision(inp, d, now)
+        ev = BUS_EVENT.decode(encode(RoutingDecisionsEvent(scheduler_id="A", ts=now,
+                                                           decisions=[routed(inp, d)])))
+        assert isinstance(ev, RoutingDecisionsEvent)
+        apply_peer_decisions(new, ev, "B", now)
+        assert _e2_state(new) == _e2_state(old)
+    assert new.worker_state("b").pd_used
+    assert len(new.window.entries) == len(reqs) + 1
+    for inp, _ in decisions[: len(reqs)]:
+        mine, theirs = new.window.by_rid[inp.request_id], a.window.by_rid[inp.request_id]
+        assert (mine.ws.id, mine.cost, mine.out_est, mine.dt_tok) == (
+            theirs.ws.id, theirs.cost, theirs.out_est, theirs.dt_tok)

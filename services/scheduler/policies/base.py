@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 import msgspec
 
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
-from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent, RoutedRequest
 
 
 class NoWorkerError(RuntimeError):
@@ -294,6 +294,12 @@ class GlobalPolicy(Protocol):
         decision delivered twice counts once; a decision for an unknown worker is ignored.
         Without it, N replicas each see 1/N of the load they route by.
         """
+        ...
+
+    def apply_routed(self, d: RoutedRequest, hashes: Sequence[int], now: float) -> None:
+        """``apply_remote_decision`` of a peer's decision as decoded from the wire
+        (``hashes``: its block hashes, unpacked by the caller); records exactly what
+        ``apply_remote_decision`` records for the same request and decision."""
         ...
 
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:

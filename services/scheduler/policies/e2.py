@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from operator import attrgetter
 
 from prefixmesh.services.scheduler.policies import e2_state
@@ -44,6 +44,7 @@ from prefixmesh.shared.wire import (
     KvEvent,
     LoadReportEvent,
     RequestDoneEvent,
+    RoutedRequest,
 )
 
 _LOAD = attrgetter("L")
@@ -213,33 +214,59 @@ class E2Policy:
         the cost of a remote decision. A colder prompt is recorded whole: its unmatched
         part may be a new shared prefix that a burst's siblings must find on that worker
         before any KV event arrives."""
-        self._clock(now)
-        ws = self._ws.get(decision.worker_id)
+        self._book_remote(req.request_id, decision.worker_id, decision.kind,
+                          decision.matched_tokens, req.block_hashes, req.prompt_tokens,
+                          req.max_tokens, req.predicted_output, now)
+
+    def apply_routed(self, d: RoutedRequest, hashes: Sequence[int], now: float) -> None:
+        """``apply_remote_decision`` of a peer's decision as it comes off the wire (its
+        block hashes unpacked by the caller), without building a ``RouteInput`` and a
+        ``Decision`` for it first: a replica applies every other replica's decisions."""
+        self._book_remote(d.request_id, d.worker_id, d.kind, d.matched_tokens, hashes,
+                          d.prompt_tokens, d.max_tokens, d.predicted_output, now)
+
+    def _book_remote(self, rid: str, worker_id: str, kind: str, matched_tokens: int,
+                     hashes: Sequence[int], prompt_tokens: int, max_tokens: int,
+                     predicted_output: float, now: float) -> None:
+        """The body of ``apply_remote_decision``, on the decision's fields (a peer's
+        decision is a hot path: ``_clock`` and ``_expected_output`` are inlined)."""
+        if self._rebase:
+            self._clock(now)
+        self._now = now
+        ws = self._ws.get(worker_id)
         if ws is None:
             return
-        prior = self.window.by_rid.get(req.request_id)
+        win = self.window
+        prior = win.by_rid.get(rid)
         if prior is not None and prior.ws is ws:
             return
-        hashes = req.block_hashes
+        tree = self.tree
+        block = self.block
         n = len(hashes)
-        node, m = self.tree.match(hashes)
-        prompt = req.prompt_tokens if req.prompt_tokens > n * self.block else n * self.block
-        got = decision.matched_tokens // self.block
+        node, m = tree.match(hashes)
+        prompt = prompt_tokens if prompt_tokens > n * block else n * block
+        got = matched_tokens // block
         if got > n:
             got = n
-        if decision.kind == "pd_balance":
+        if kind == "pd_balance":
             ws.pd_used = True
         if self.replicator.entries:
             rep = self.replicator.lookup(node)
             if rep is not None:
                 self.replicator.seeded(rep, ws.id)
-        out = self._expected_output(req)
+        # As _expected_output: the prediction, else the window's mean, capped by max_tokens.
+        out = predicted_output
+        if out <= 0:
+            outputs = win.outputs
+            out = win.out_sum / len(outputs) if outputs else self._default_out
+        if 0 < max_tokens < out:
+            out = max_tokens
         if m == n or 2 * m < n:
-            self._record(req, ws, node, m, prompt, got, out, now)
-            return
-        # The matched path only (split where the match ends inside a node, as routing does).
-        leaf = self.tree.record(node, m, hashes[:m], ws.id, now)
-        self._charge(req, ws, leaf, prompt, got, out, now)
+            leaf = tree.record(node, m, hashes, ws.id, now)
+        else:
+            # The matched path only (split where the match ends inside a node, as routing does).
+            leaf = tree.record_path(node, m, ws.id, now)
+        self._charge(rid, ws, leaf, prompt, got, out, now)
 
     def explain(self, req: RouteInput, now: float) -> dict[str, tuple[float, float, float]]:
         """``(L, M, P)`` of every eligible worker for ``req``, in seconds, without routing
@@ -441,9 +468,9 @@ class E2Policy:
     ) -> None:
         """Put the decision in the tree at once, charge L, model the worker's eviction."""
         leaf = self.tree.record(node, m, req.block_hashes, ws.id, now)
-        self._charge(req, ws, leaf, prompt, got, out, now)
+        self._charge(req.request_id, ws, leaf, prompt, got, out, now)
 
-    def _charge(self, req: RouteInput, ws: WorkerState, leaf: Node, prompt: int, got: int,
+    def _charge(self, rid: str, ws: WorkerState, leaf: Node, prompt: int, got: int,
                 out: float, now: float) -> None:
         """The worker's side of a decision recorded up to ``leaf``: its modelled eviction,
         prefill backlog and window ``L``."""
@@ -453,7 +480,7 @@ class E2Policy:
             tree.evict_lru(ws.id, over, protect=leaf)
         prefill = (ws.tables or self.tables).pt(prompt - got * self.block)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
-        self.window.add(now, ws, leaf, req.request_id, prefill, prompt, out)
+        self.window.add(now, ws, leaf, rid, prefill, prompt, out)
 
     # ------------------------------------------------------------------ feedback
 

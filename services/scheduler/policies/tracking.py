@@ -7,7 +7,7 @@ completions (outstanding requests, tokens, blocks), and the workers' latest load
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -22,7 +22,7 @@ from prefixmesh.services.scheduler.policies.base import (
 )
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree, TreeState
 from prefixmesh.shared.costmodel import CostModel
-from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent
+from prefixmesh.shared.wire import KvEvent, LoadReportEvent, RequestDoneEvent, RoutedRequest
 
 VERSION = 1
 
@@ -202,6 +202,15 @@ class BaselinePolicy:
             return
         self.remember_remote(req, decision.worker_id, now)
         self.assigned(req, decision.worker_id, now)
+
+    def apply_routed(self, d: RoutedRequest, hashes: Sequence[int], now: float) -> None:
+        """A peer's decision off the wire: as ``apply_remote_decision`` (baselines are not
+        on the path the replicas' throughput is measured on, so it builds the inputs)."""
+        self.apply_remote_decision(
+            RouteInput(request_id=d.request_id, block_hashes=hashes,
+                       prompt_tokens=d.prompt_tokens, max_tokens=d.max_tokens,
+                       tenant=d.tenant, predicted_output=d.predicted_output),
+            Decision(d.worker_id, d.kind, d.matched_tokens), now)
 
     def remember_remote(self, req: RouteInput, worker: str, now: float) -> None:
         """Record a remote decision in the cache view; nothing for baselines without one."""
