@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated configuration names to run")
     p.add_argument("--e2", default="", metavar="KNOBS",
                    help="judge this E2 variant instead of the default: PolicyConfig "
-                   "knob=value pairs, comma-separated (e.g. queue_weight=1)")
+                   "knob=value pairs, comma-separated (e.g. interference_weight=0.1)")
     p.add_argument("--json", type=Path, default=None,
                    help="results (default results/suite-NAME.json)")
     args = p.parse_args(argv)

@@ -365,8 +365,7 @@ class MeshClient:
                 # A resend was asked for and may still come; a done event that arrives
                 # before it, short of tokens, waits for it (a tick at most, then the
                 # request fails as lost).
-                resend_due = False
-                held: RequestDoneEvent | None = None
+                resend_due = waiting_resend = False
                 while True:
                     remaining = deadline - time.time()
                     if remaining <= 0:
@@ -398,9 +397,9 @@ class MeshClient:
                             and next_index < event.completion_tokens):
                         # Chunks before it were lost and their resend (which ends with
                         # the done event again) is on its way: wait for it.
-                        held, resend_due = event, False
+                        waiting_resend, resend_due = True, False
                         continue
-                    if event is None and held is not None:
+                    if event is None and waiting_resend:
                         # The resend did not come within a tick: the tokens are lost, and
                         # the caller is told so (retriable) rather than handed a short
                         # completion that looks whole.
