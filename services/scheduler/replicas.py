@@ -7,6 +7,14 @@ decisions: it publishes them (``RoutingDecisionsEvent``) and every other replica
 them with ``GlobalPolicy.apply_decision``, so N replicas splitting the traffic each still
 see the whole in-flight load instead of 1/N of it.
 
+A replica with no other replica to tell skips all of that (building, packing and
+publishing a record per decision is a fifth of a lone scheduler's work): every replica
+says it is there with an empty ``RoutingDecisionsEvent`` when it starts and every
+``PEER_HELLO_S`` (``Peers``), answers a replica it had not heard with a hello of its own,
+and records its decisions only while it has heard another one lately. A replica that
+starts says so before it catches up, so the others tell it everything from a few
+milliseconds after its start, long before it routes.
+
 A booting replica starts from the Redis snapshot, then asks every worker for a resync
 (``AllBlocksCleared`` + ``BlockStored``...). ``CatchUp`` says when it has heard enough to
 route: every worker it knows has resent its cache since, or a timeout passed. Until then
@@ -30,6 +38,37 @@ from prefixmesh.shared.wire import (
 
 # Packed hashes are little-endian on the wire, whatever this machine's order.
 _BIG_ENDIAN = sys.byteorder == "big"
+# Seconds between two "I am here" messages of a replica, and how many of them may be
+# missed (lost, or a stalled loop) before the others stop telling it their decisions.
+PEER_HELLO_S = 1.0
+PEER_MISSED_HELLOS = 3
+
+
+class Peers:
+    """The other scheduler replicas heard lately (any ``sched.decisions`` message from
+    them, an empty one being a hello): whether this replica's decisions need telling."""
+
+    def __init__(self, hello_s: float = PEER_HELLO_S, missed: int = PEER_MISSED_HELLOS) -> None:
+        self.hello_s = hello_s
+        self.ttl_s = hello_s * missed
+        self.heard_at: dict[str, float] = {}
+
+    def heard(self, scheduler_id: str, now: float) -> bool:
+        """Record a message of ``scheduler_id``; True when it was not known (then answer
+        with a hello, so that it knows of this one at once too)."""
+        new = scheduler_id not in self.heard_at
+        self.heard_at[scheduler_id] = now
+        return new
+
+    def any(self, now: float) -> bool:
+        """Whether another replica was heard within the last ``ttl_s`` (the silent ones
+        are forgotten)."""
+        if not self.heard_at:
+            return False
+        cut = now - self.ttl_s
+        for sid in [s for s, t in self.heard_at.items() if t < cut]:
+            del self.heard_at[sid]
+        return bool(self.heard_at)
 
 
 def route_input(req: TokenizedRequest) -> RouteInput:

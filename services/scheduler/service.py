@@ -41,6 +41,7 @@ from prefixmesh.services.scheduler.policies.base import (
 )
 from prefixmesh.services.scheduler.replicas import (
     CatchUp,
+    Peers,
     apply_peer_decisions,
     is_resync,
     route_input,
@@ -181,6 +182,11 @@ class SchedulerService:
         self._load_sub: Subscription | None = None
         # Decisions by kind since start, and KV-event lag over the current stats period.
         self.decisions: dict[str, int] = {}
+        # DECISIONS' child per kind (``labels()`` costs more than the increment).
+        self._decision_counters: dict[str, Counter] = {}
+        # The other replicas heard lately; this one's last hello (monotonic s).
+        self.peers = Peers()
+        self._hello_at = 0.0
         self._lag_sum = 0.0
         self._lag_n = 0
         self._gaps = 0
@@ -230,8 +236,8 @@ class SchedulerService:
 
     async def _route(self, req: SchedulerRequest) -> RouteReply | RouteBatchReply:
         # A busy edge sends what it has to route in one message: decided in order, and
-        # told to the other replicas in one message too.
-        told: list = []
+        # told to the other replicas in one message too (when there are any).
+        told = self._told()
         if isinstance(req, RouteBatchRequest):
             reply: RouteReply | RouteBatchReply = RouteBatchReply(
                 replies=[self._decide(r, told) for r in req.requests])
@@ -240,7 +246,22 @@ class SchedulerService:
         await self._tell_peers(told)
         return reply
 
-    async def _tell_peers(self, told: list) -> None:
+    def _told(self) -> list | None:
+        """Where a turn's decisions are collected for the other replicas: None (not
+        collected) while no other replica is heard."""
+        return [] if self.peers.any(time.monotonic()) else None
+
+    async def _hello(self) -> None:
+        """Say this replica is there (an empty ``sched.decisions`` message), so that the
+        others tell it their decisions."""
+        self._hello_at = time.monotonic()
+        try:
+            await self.bus.publish(self.bus.subjects.sched_decisions, RoutingDecisionsEvent(
+                scheduler_id=self.instance_id, ts=time.time(), decisions=[]))
+        except nats.errors.Error as exc:
+            log.warning("hello to the other replicas not sent: %s", exc)
+
+    async def _tell_peers(self, told: list | None) -> None:
         """Publish this turn's decisions for the other replicas (``sched.decisions``).
         Best effort: the decisions are made and charged here, so a failed publish (the
         connection closing or reconnecting) must not turn them into an error for the edge
@@ -267,7 +288,7 @@ class SchedulerService:
             refusal = SubmitReply(request_id="", accepted=False,
                                   error=ErrorInfo(f"malformed request: {exc}", "bad_request"))
         else:
-            told: list = []
+            told = self._told()
             decision = self._decide(req, told)
             await self._tell_peers(told)
             worker = decision.worker_id
@@ -283,27 +304,31 @@ class SchedulerService:
         if m.reply:
             await m.respond(encode(refusal))
 
-    def _decide(self, req: TokenizedRequest, told: list) -> RouteReply:
-        """Route one request; its decision is appended to ``told`` (for the peers)."""
+    def _decide(self, req: TokenizedRequest, told: list | None) -> RouteReply:
+        """Route one request; its decision is appended to ``told`` (for the peers) unless
+        that is None."""
         t0 = time.perf_counter()
         inp = route_input(req)
         try:
             d = self.policy.route(inp, self.policy_now())
         except NoWorkerError as exc:
-            DECISIONS.labels("none").inc()
             ROUTE_ERRORS.labels("unavailable").inc()
             self._count("none")
             return RouteReply(request_id=req.request_id, error=ErrorInfo(
                 str(exc) or "no worker available", code="unavailable", retriable=True))
         DECISION_LATENCY.observe(time.perf_counter() - t0)
-        told.append(routed(inp, d))
-        DECISIONS.labels(d.kind).inc()
+        if told is not None:
+            told.append(routed(inp, d))
         self._count(d.kind)
         return RouteReply(request_id=req.request_id, worker_id=d.worker_id, decision=d.kind,
                           matched_tokens=d.matched_tokens)
 
     def _count(self, kind: str) -> None:
         self.decisions[kind] = self.decisions.get(kind, 0) + 1
+        counter = self._decision_counters.get(kind)
+        if counter is None:
+            counter = self._decision_counters[kind] = DECISIONS.labels(kind)
+        counter.inc()
 
     async def _on_event(self, ev: object) -> None:
         now, pnow = time.monotonic(), self.policy_now()
@@ -330,7 +355,11 @@ class SchedulerService:
             for done in done_records(ev):
                 self.policy.on_done(done, pnow)
         elif isinstance(ev, RoutingDecisionsEvent):
-            PEER_DECISIONS.inc(apply_peer_decisions(self.policy, ev, self.instance_id, pnow))
+            if ev.scheduler_id != self.instance_id and self.peers.heard(ev.scheduler_id, now):
+                await self._hello()  # a new replica: let it know of this one at once
+            if ev.decisions:
+                PEER_DECISIONS.inc(apply_peer_decisions(self.policy, ev, self.instance_id,
+                                                        pnow))
 
     async def _on_kv(self, batch: KvEventBatch, now: float) -> None:
         w = batch.worker_id
@@ -423,6 +452,8 @@ class SchedulerService:
                     if self.catchup is not None:
                         self.catchup.worker_gone(w)
             WORKERS.set(len(self.policy.workers))
+            if now - self._hello_at >= self.peers.hello_s:
+                await self._hello()
             self.policy.tick(self.policy_now())
             self._observe_policy()
 
@@ -582,6 +613,7 @@ class SchedulerService:
                         bus.subjects.sched_decisions):
             self._subs.append(await bus.subscribe(subject, BUS_EVENT, self._on_event))
         self._load_sub = self._subs[0]
+        await self._hello()  # before catching up: the others tell us from now on
         tasks.spawn(self._tick_loop(), "scheduler-tick")
         tasks.spawn(self._persist_loop(), "scheduler-persist")
         tasks.spawn(self._stats_loop(), "scheduler-stats")

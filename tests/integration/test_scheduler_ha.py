@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from prefixmesh.services.scheduler.policies import make_policy
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
+from prefixmesh.services.scheduler.replicas import Peers
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
 from prefixmesh.services.scheduler.store import StateStore
 from prefixmesh.services.worker.config import WorkerConfig
@@ -26,11 +27,13 @@ from prefixmesh.shared.runtime.servers import (
     start_redis,
 )
 from prefixmesh.shared.wire import (
+    BUS_EVENT,
     ROUTE_REPLY,
     AllBlocksCleared,
     BlockStored,
     KvEventBatch,
     LoadReportEvent,
+    RoutingDecisionsEvent,
     SamplingParams,
     TokenizedRequest,
 )
@@ -142,6 +145,40 @@ async def test_three_replicas_each_charge_every_decision(bus, nats_server, redis
         for w in ("a", "b"):
             loads = [r.policy.worker_state(w).L for r in replicas]
             assert max(loads) - min(loads) < 1e-6 * max(max(loads), 1.0), loads
+
+
+async def test_a_lone_replica_tells_its_decisions_only_once_another_says_hello(
+        bus, nats_server, redis_server, prefix):
+    """Alone, a scheduler publishes only its hellos (empty ``sched.decisions`` messages),
+    no decision records; a new replica's hello is answered at once, and from then on every
+    decision is told."""
+    heard: list[RoutingDecisionsEvent] = []  # the scheduler's messages
+
+    async def on_decisions(ev: object) -> None:
+        if isinstance(ev, RoutingDecisionsEvent) and ev.scheduler_id != "peer-x":
+            heard.append(ev)
+
+    await bus.subscribe(bus.subjects.sched_decisions, BUS_EVENT, on_decisions)
+    sched = _replica(nats_server, redis_server, prefix)
+    sched.peers = Peers(hello_s=3600.0)  # no periodic hello in this test: only answers
+    async with running(_worker(nats_server, prefix, "a")), running(sched):
+        await eventually(lambda: "a" in sched.policy.workers)
+        for i in range(5):
+            await _route_retrying(bus, f"alone{i}", [i] * 40)
+        # A record would have been published before its reply, on the same connection.
+        await asyncio.sleep(0.2)
+        assert heard and all(e.scheduler_id == sched.instance_id for e in heard)
+        assert all(not e.decisions for e in heard), "decisions told with nobody to tell"
+        seen = len(heard)
+        # Another replica says hello: answered with a hello at once, then the decisions
+        # follow.
+        await bus.publish(bus.subjects.sched_decisions, RoutingDecisionsEvent(
+            scheduler_id="peer-x", ts=time.time(), decisions=[]))
+        await eventually(lambda: len(heard) > seen, timeout=5.0)
+        for i in range(5):
+            await _route_retrying(bus, f"told{i}", [i] * 40)
+        await eventually(lambda: {d.request_id for e in heard for d in e.decisions}
+                         == {f"told{i}" for i in range(5)})
 
 
 async def test_a_booting_replica_routes_only_once_caught_up(bus, nats_server, redis_server,

@@ -9,6 +9,7 @@ from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
 from prefixmesh.services.scheduler.policies.base import Decision, PolicyConfig, RouteInput
 from prefixmesh.services.scheduler.replicas import (
     CatchUp,
+    Peers,
     apply_peer_decisions,
     routed,
     unpack_hashes,
@@ -243,3 +244,13 @@ def test_a_peer_decision_off_the_wire_records_what_apply_remote_decision_records
         mine, theirs = new.window.by_rid[inp.request_id], a.window.by_rid[inp.request_id]
         assert (mine.ws.id, mine.cost, mine.out_est, mine.dt_tok) == (
             theirs.ws.id, theirs.cost, theirs.out_est, theirs.dt_tok)
+
+
+def test_peers_are_known_while_heard_within_their_missed_hellos():
+    peers = Peers(hello_s=1.0, missed=3)
+    assert not peers.any(0.0)  # alone: nothing to tell
+    assert peers.heard("B", 0.0)  # new: answer with a hello
+    assert not peers.heard("B", 1.0)  # known: no answer
+    assert peers.any(3.9)  # last heard at 1.0, within 3 hellos
+    assert not peers.any(4.1)  # silent for more than 3 hellos: forgotten
+    assert peers.heard("B", 5.0)  # back: new again
