@@ -41,6 +41,7 @@ No I/O, no clock: times are passed in by the caller.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -58,9 +59,9 @@ SNAPSHOT_VERSION = 1
 # so the tree remembers more than the cluster caches but never grows without bound.
 DEFAULT_MAX_NODES = 262_144
 DEFAULT_MAX_TOKENS = 8_388_608
-# Budget hysteresis: ``maintain`` prunes to budget * (1 - 1/SLACK) once over budget (one
-# scan of the leaves per 1/SLACK of growth); inserts prune themselves only beyond
-# budget * (1 + 1/SLACK), when nobody calls ``maintain``.
+# Routing keeps the tree within its budget by dropping the least recently used leaf for
+# each one it adds beyond it (``maintain`` catches up with the rest: nodes split by KV
+# events, a smaller budget); ``enforce_budget`` cuts a tree to budget * (1 - 1/SLACK).
 BUDGET_SLACK = 8
 # Queued prune candidates beyond which the queue is flushed at once (bounds its memory).
 PRUNE_QUEUE_LIMIT = 65_536
@@ -69,6 +70,9 @@ PRUNE_QUEUE_LIMIT = 65_536
 # nodes at a time instead of the periodic ``maintain`` paying for every decision since the
 # last one in one stall of the event loop (8-43 ms at 10,000 decisions/s).
 INDEX_QUEUE_HASHES = 4096
+# The budget's LRU heap is compacted once it holds more than twice the tree's nodes and
+# this many entries more (entries of nodes pruned without the budget popping them).
+LRU_SLACK_ENTRIES = 4096
 
 
 class Node(msgspec.Struct, eq=False, gc=False):
@@ -169,8 +173,6 @@ class PrefixTree:
         """Set the node/token budget (a smaller one takes effect at the next ``maintain``)."""
         self.max_nodes = max(max_nodes, 1)
         self.max_blocks = max(max_tokens // self.block_size, 1)
-        self._hard_nodes = self.max_nodes + self.max_nodes // BUDGET_SLACK
-        self._hard_blocks = self.max_blocks + self.max_blocks // BUDGET_SLACK
 
     def _init_state(self) -> None:
         self._dismantle()
@@ -190,6 +192,13 @@ class PrefixTree:
         self.orphan_stores = 0
         # Nodes dropped to respect the budget although possibly cached or in the window.
         self.budget_evictions = 0
+        # The budget's eviction order: (last_access, nid, node) of every leaf, kept lazily.
+        # A leaf is pushed when it becomes one (created, or its last child detached); an
+        # entry whose node has died or grown children is dropped when popped, and one
+        # whose node was touched since is pushed again with the newer time. So every live
+        # leaf has an entry no later than its last access, and the budget pops leaves in
+        # exact LRU order without sorting the tree (``enforce_budget``).
+        self._lru: list[tuple[float, int, Node]] = []
         # Next node id and next LRU stamp (both only grow).
         self._next_nid = 1
         self._stamp = 1
@@ -311,10 +320,13 @@ class PrefixTree:
         if matched and matched < node.start + len(node.hashes):
             node = self._split(node, matched - node.start)
         if matched == len(hashes):
+            if self.n_nodes > self.max_nodes:  # the split above
+                self._evict_lru_leaves(self.max_nodes, self.max_blocks, node)
             return node
         leaf = Node(tuple(hashes[matched:]), matched, node, last_access=now, nid=self._next_nid)
         self._next_nid += 1
         node.children[hashes[matched]] = leaf
+        heapq.heappush(self._lru, (now, leaf.nid, leaf))
         self._index_q.append(leaf)
         self._index_q_hashes += len(leaf.hashes)
         if self._index_q_hashes >= INDEX_QUEUE_HASHES:
@@ -323,8 +335,10 @@ class PrefixTree:
             self._dirty[leaf] = None
         self.n_nodes += 1
         self.n_blocks += len(leaf.hashes)
-        if self.n_nodes > self._hard_nodes or self.n_blocks > self._hard_blocks:
-            self.enforce_budget(keep=leaf)
+        if self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks:
+            # Over budget: the least recently used leaves go now, a few at a time, so no
+            # decision ever waits for a pass over the whole tree.
+            self._evict_lru_leaves(self.max_nodes, self.max_blocks, leaf)
         return leaf
 
     def record(self, node: Node, matched: int, hashes: Sequence[int], worker: str,
@@ -640,12 +654,18 @@ class PrefixTree:
         """Periodic upkeep (the owner's ``tick``): flush the queues, enforce the budget."""
         self.flush()
         if self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks:
-            self.enforce_budget()
+            # A few nodes split by KV events or peers' decisions, or a smaller budget.
+            self._evict_lru_leaves(self.max_nodes, self.max_blocks, None)
+            self.flush()
+        if len(self._lru) > 2 * self.n_nodes + LRU_SLACK_ENTRIES:
+            self._compact_lru()  # nodes pruned by KV events and the window, never popped
 
     def _detach(self, node: Node) -> None:
         parent = node.parent
         assert parent is not None
         del parent.children[node.hashes[0]]
+        if not parent.children and parent is not self.root:
+            heapq.heappush(self._lru, (parent.last_access, parent.nid, parent))
         pop = self._index.pop
         for h in node.hashes:
             pop(h, None)
@@ -665,27 +685,56 @@ class PrefixTree:
 
         Dropped nodes may still be cached or used in the window: the budget wins, so memory
         stays bounded. ``keep`` (a node just inserted) is never dropped. Returns count.
+        (Routing and ``maintain`` keep the tree within its budget a few leaves at a time;
+        this pass makes room ahead.)
         """
         self.flush()
-        goal_nodes = self.max_nodes - self.max_nodes // BUDGET_SLACK
-        goal_blocks = self.max_blocks - self.max_blocks // BUDGET_SLACK
+        dropped = self._evict_lru_leaves(self.max_nodes - self.max_nodes // BUDGET_SLACK,
+                                         self.max_blocks - self.max_blocks // BUDGET_SLACK,
+                                         keep)
+        self.flush()
+        if len(self._lru) > 2 * self.n_nodes + LRU_SLACK_ENTRIES:
+            self._compact_lru()
+        return dropped
+
+    def _evict_lru_leaves(self, goal_nodes: int, goal_blocks: int, keep: Node | None) -> int:
+        """Detach least recently accessed leaves (never ``keep``) until the tree holds at
+        most ``goal_nodes`` nodes and ``goal_blocks`` blocks; their emptied ancestors are
+        queued for pruning. Returns how many were dropped."""
+        lru = self._lru
+        pop, push = heapq.heappop, heapq.heappush
+        kept: list[tuple[float, int, Node]] = []
         dropped = 0
-        while self.n_nodes > goal_nodes or self.n_blocks > goal_blocks:
-            leaves = sorted(
-                (n for n in self.nodes() if not n.children and n is not keep),
-                key=lambda n: n.last_access,
-            )
-            if not leaves:
-                break
-            for n in leaves:
-                if self.n_nodes <= goal_nodes and self.n_blocks <= goal_blocks:
-                    break
-                self._detach(n)
-                self._prune_up(n.parent)  # type: ignore[arg-type]
-                dropped += 1
-            self.flush()
+        while lru and (self.n_nodes > goal_nodes or self.n_blocks > goal_blocks):
+            entry = pop(lru)
+            n = entry[2]
+            if not n.alive or n.children:
+                continue  # gone, or no leaf now (pushed again if it becomes one)
+            if n.last_access != entry[0]:
+                push(lru, (n.last_access, entry[1], n))  # touched since: later in line
+                continue
+            if n is keep:
+                kept.append(entry)
+                continue
+            parent = n.parent
+            self._detach(n)
+            self._prune_up(parent)  # type: ignore[arg-type]
+            dropped += 1
+        for entry in kept:
+            push(lru, entry)
         self.budget_evictions += dropped
         return dropped
+
+    def _compact_lru(self) -> None:
+        """Drop the entries of dead nodes (pruned outside the budget, never popped)."""
+        self._lru = [e for e in self._lru if e[2].alive]
+        heapq.heapify(self._lru)
+
+    def _rebuild_lru(self) -> None:
+        """The eviction order of a tree built at once (a restore): every leaf."""
+        self._lru = [(n.last_access, n.nid, n) for n in self.nodes()
+                     if not n.children and n is not self.root]
+        heapq.heapify(self._lru)
 
     # ------------------------------------------------------------------ persistence
 
@@ -693,6 +742,8 @@ class PrefixTree:
         """Add ``delta`` seconds to every stored time (rebasing onto another clock)."""
         for n in self.nodes():
             n.last_access += delta
+        # The same shift for every key keeps the heap's order.
+        self._lru = [(t + delta, nid, n) for t, nid, n in self._lru]
 
     def dump_state(self, ref_time: float) -> tuple[TreeState, dict[Node, int]]:
         """Snapshot as a struct (times relative to ``ref_time``) and the node -> index map."""
@@ -752,6 +803,7 @@ class PrefixTree:
                 nodes[i].workers[w] = self._stamp
                 self._stamp += 1
             self.worker_blocks[w] = sum(len(nodes[i].hashes) for i in order)
+        self._rebuild_lru()
         return nodes
 
     # ------------------------------------------------------------------ incremental persistence
@@ -845,6 +897,7 @@ class PrefixTree:
                 lru[n] = None
             self.worker_blocks[w] = sum(len(n.hashes) for _, _, n in items)
         del by_id[-1]
+        self._rebuild_lru()
         return by_id
 
     def snapshot(self) -> bytes:

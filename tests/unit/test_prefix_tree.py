@@ -240,3 +240,61 @@ def test_record_path_records_what_record_of_the_matched_slice_records():
             assert leaf.end == m
             trees.append(_lru_state(tree))
         assert trees[0] == trees[1]
+
+
+class _SortingTree(PrefixTree):
+    """Least recently used leaves found by sorting every leaf by last access before each
+    drop (a drop can make its parent the least recent leaf): the order the lazy heap of
+    ``PrefixTree`` must reproduce."""
+
+    def _evict_lru_leaves(self, goal_nodes, goal_blocks, keep) -> int:
+        dropped = 0
+        while self.n_nodes > goal_nodes or self.n_blocks > goal_blocks:
+            leaves = sorted((n for n in self.nodes() if not n.children and n is not keep
+                             and n is not self.root), key=lambda n: n.last_access)
+            if not leaves:
+                break
+            parent = leaves[0].parent
+            self._detach(leaves[0])
+            self._prune_up(parent)
+            dropped += 1
+        self.budget_evictions += dropped
+        return dropped
+
+
+def _paths(tree: PrefixTree) -> set[tuple[int, ...]]:
+    return {(n.start, *n.hashes) for n in tree.nodes() if n is not tree.root}
+
+
+def test_budget_evicts_the_leaves_a_full_sort_would():
+    """Shared prefixes, repeats (touched again, so later in line), splits, a restore and a
+    smaller budget: the tree that keeps its leaves' order lazily never exceeds its budget
+    and holds exactly the nodes of one that sorts every leaf by last access."""
+    import random
+
+    rng = random.Random(7)
+    heap_tree = PrefixTree(max_nodes=48, max_tokens=48 * 6 * BLOCK_SIZE)
+    sort_tree = _SortingTree(max_nodes=48, max_tokens=48 * 6 * BLOCK_SIZE)
+    heads = [toks(1000 + i, rng.randint(1, 3)) for i in range(12)]
+    for i in range(3_000):
+        now = float(i)
+        head = heads[rng.randrange(len(heads))]
+        tail = toks(rng.randrange(400), rng.randint(1, 3))  # repeats come back
+        hashes = chain(head, tail)
+        for tree in (heap_tree, sort_tree):
+            node, m = tree.match(hashes)
+            leaf = tree.record(node, m, hashes, f"w{i % 3}", now)
+            assert leaf.last_access == now
+        assert len(heap_tree) <= 48
+        if i % 7 == 0:
+            assert _paths(heap_tree) == _paths(sort_tree), i
+        if i == 1_500:  # a restored tree, cut to a smaller budget, goes on in the same order
+            before = heap_tree.budget_evictions  # a restore counts from 0
+            heap_tree.restore(heap_tree.snapshot())
+            for tree in (heap_tree, sort_tree):
+                tree.set_budget(40, 40 * 6 * BLOCK_SIZE)
+                tree.maintain()
+                tree.set_budget(48, 48 * 6 * BLOCK_SIZE)
+            assert len(heap_tree) <= 40
+    assert before + heap_tree.budget_evictions == sort_tree.budget_evictions > 1_000
+    assert len(heap_tree._lru) <= 2 * len(heap_tree) + 4096
