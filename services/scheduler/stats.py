@@ -37,7 +37,13 @@ class HotPrefixWalk:
     """The walk behind ``hot_prefixes``, done a slice at a time (``step``): the service
     yields to routing between slices, so a big busy tree never stalls its event loop for
     the whole walk. The tree may change between slices; a node pruned meanwhile is still a
-    valid (slightly stale) reading, which is all a periodic summary needs."""
+    valid (slightly stale) reading, which is all a periodic summary needs.
+
+    Of a node's children only its ``k`` busiest go on the frontier: each child's traffic
+    reaches a reported node with all of it (where it first splits, or a leaf), so a child
+    with less than ``k`` of its siblings can never rank in the top ``k``. A shared system
+    prompt followed by 100,000 distinct user turns costs a scan of its children, not a heap
+    of all of them."""
 
     def __init__(self, tree: PrefixTree, k: int = HOT_PREFIXES_SHOWN,
                  max_visit: int = MAX_NODES_VISITED) -> None:
@@ -46,11 +52,12 @@ class HotPrefixWalk:
         self._found: list[tuple[int, int, int, Node]] = []
         # Max-heap of the nodes to visit: (-requests, tiebreak, node).
         self._frontier: list[tuple[int, int, Node]] = []
-        # The node whose children are being queued (a root with thousands of them takes
+        # The node whose children are being looked at (a node with thousands of them takes
         # several slices): the node, its requests (-1: the root, never reported), its
-        # children left to look at, and the most requests of those looked at.
-        self._expanding: tuple[Node, int, Iterator[Node], int] | None = (
-            tree.root, -1, iter(list(tree.root.children.values())), -1)
+        # children left to look at, and the busiest of those looked at so far, as a
+        # min-heap of at most k (requests, tiebreak, child).
+        self._expanding: tuple[Node, int, Iterator[Node], list[tuple[int, int, Node]]] | None
+        self._expanding = (tree.root, -1, iter(list(tree.root.children.values())), [])
         self._pushed = 0
         self._visited = 0
 
@@ -60,19 +67,24 @@ class HotPrefixWalk:
         work = 0
         while work < nodes:
             if self._expanding is not None:
-                node, total, children, busiest = self._expanding
+                node, total, children, top = self._expanding
                 for c in children:
                     work += 1
                     if c.counts:
                         t = _total(c)
-                        busiest = max(busiest, t)
-                        self._pushed += 1
-                        heapq.heappush(frontier, (-t, self._pushed, c))
+                        if len(top) < k:
+                            self._pushed += 1
+                            heapq.heappush(top, (t, self._pushed, c))
+                        elif t > top[0][0]:
+                            self._pushed += 1
+                            heapq.heapreplace(top, (t, self._pushed, c))
                     if work >= nodes:
-                        self._expanding = (node, total, children, busiest)
                         return False
                 self._expanding = None
+                for t, tie, c in top:
+                    heapq.heappush(frontier, (-t, tie, c))
                 # All of this node's traffic going on into one child: report deeper.
+                busiest = max(top)[0] if top else -1
                 if busiest < total:
                     item = (total, node.end, self._visited, node)
                     if len(found) < k:
@@ -89,7 +101,7 @@ class HotPrefixWalk:
             node = heapq.heappop(frontier)[2]
             self._visited += 1
             work += 1
-            self._expanding = (node, total, iter(list(node.children.values())), -1)
+            self._expanding = (node, total, iter(list(node.children.values())), [])
         return False
 
     def result(self) -> list[HotPrefix]:

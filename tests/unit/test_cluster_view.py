@@ -80,6 +80,60 @@ def test_the_walk_leaves_quiet_subtrees_unvisited() -> None:
     assert [h.requests for h in walk.result()] == [13, 12, 11]
 
 
+def _reported_everywhere(tree: PrefixTree, k: int) -> list[int]:
+    """Every node where traffic does not all go on into one child, by requests: the top k's
+    request counts, found without any pruning."""
+    got = []
+    for n in tree.nodes():
+        if n is tree.root or not n.counts:
+            continue
+        total = sum(n.counts.values())
+        busiest = max((sum(c.counts.values()) for c in n.children.values() if c.counts),
+                      default=-1)
+        if busiest < total:
+            got.append(total)
+    return sorted(got, reverse=True)[:k]
+
+
+def test_the_walk_finds_the_top_k_of_every_fanned_out_node() -> None:
+    """Random trees with wide fan-outs: the walk, keeping only each node's k busiest
+    children, reports the same request counts as looking at every node."""
+    import random
+
+    rng = random.Random(3)
+    for trial in range(20):
+        tree = PrefixTree(block_size=16)
+        heads = [[1_000_000 * (h + 1) + j for j in range(rng.randint(1, 4))]
+                 for h in range(rng.randint(1, 6))]
+        for i in range(rng.randint(50, 400)):
+            head = heads[rng.randrange(len(heads))]
+            mid = [rng.randrange(3) + 10 * len(head)] * rng.randint(0, 1)
+            _route(tree, head + mid + [rng.randrange(60) + 5_000_000], f"w{i % 3}")
+        for k in (1, 3, 10):
+            want = _reported_everywhere(tree, k)
+            assert [h.requests for h in hot_prefixes(tree, k=k)] == want, (trial, k)
+            walk = HotPrefixWalk(tree, k=k)
+            while not walk.step(7):  # in slices, expansions cut mid-way
+                pass
+            assert [h.requests for h in walk.result()] == want, (trial, k)
+
+
+def test_a_wide_fan_out_keeps_the_frontier_small() -> None:
+    """A shared prompt and 5,000 distinct turns after it: the walk holds at most k of
+    that node's children, not all of them."""
+    tree = PrefixTree(block_size=16)
+    for i in range(5_000):
+        _route(tree, [1, 2, 3, 10_000 + i], "w0")
+    for _ in range(40):  # one turn asked again and again
+        _route(tree, [1, 2, 3, 10_007], "w1")
+    walk = HotPrefixWalk(tree, k=3)
+    biggest = 0
+    while not walk.step(64):
+        biggest = max(biggest, len(walk._frontier))
+    assert biggest <= 3
+    assert [h.requests for h in walk.result()] == [5_040, 41, 1]
+
+
 def _load(w: str, running: int = 1) -> LoadReportEvent:
     return LoadReportEvent(worker_id=w, ts=0.0, running=running, waiting=2, free_blocks=25,
                            total_blocks=100, hit_ratio=0.5)
