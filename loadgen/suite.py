@@ -4,8 +4,29 @@ Each configuration is a workload, a fleet (GPU count or mixed profiles), an arri
 and optionally a cache pressure, run at three loads (light, medium, heavy: fractions of
 the fleet's estimated capacity) for several seeds, every global policy and ``ideal``
 (loadgen/ideal.py) on the same requests and arrivals. Capacity is estimated once per
-configuration (first seed) as the Poisson rate at which ``ideal``'s mean latency doubles over
-its light-load latency (``capacity``).
+configuration (first seed) as the Poisson rate at which a reference's mean latency doubles
+over its light-load latency (``capacity``). The reference is ``ideal`` without cache pressure.
+Under cache pressure it is the best of E2's peers at each probed rate, on the pressured KV pool:
+
+- ``ideal`` has ``IDEAL_KV_FACTOR`` x the profile's KV whatever the pressure, so its knee is
+  the unpressured fleet's, past every real policy's own. At cache pressure 3 on 4 x A6000
+  (seed 0, each GPU with the heaviest run's pool), the best peers' knees are 25-28 req/s on
+  ``toolbench`` and 8.1-8.5 on ``multiturn`` (60 s runs; 5.3-5.7 on 240 s ones), against
+  loads 0.6 and 0.9 of ideal's capacity at 36.48 and 54.72 req/s (``toolbench``), 14.88
+  and 22.32 (``multiturn``). There every real policy's mean latency grows with the run's
+  length: overload, not a placement gap.
+- ``ideal`` on the pressured pool is no reference either: its free copies of every computed
+  prefix need the larger pool (on a full cache they evict what other requests still use),
+  so above light load it trails ``cache_aware`` (``toolbench`` at 25.6 req/s: 5.7 s
+  against 2.2 s) and its knee measures its own thrashing.
+- So the reference is the fleet's best router at each rate, taken over the peers E2 is
+  judged against (``PEERS``: every policy but E2): no one policy sets the rates, E2 (or a
+  variant under ``--e2``) does not set its own, and every variant is judged at the same
+  rates. The pool is the configuration's heaviest run's (``pressure_blocks`` of its
+  requests). The runs size theirs from their own requests (``sweep``), so the lighter
+  loads, with fewer requests, run on smaller pools than the probes.
+
+Configurations without cache pressure keep ``ideal``'s knee (the same probes as before).
 
 Printed per configuration and load (means over the seeds): E2's average and p99 over the
 best other policy's (< 1: E2 ahead), E2 over ``cache_aware``, and every policy's distance
@@ -26,20 +47,24 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim
+from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, pressure_blocks
 from prefixmesh.loadgen.ideal import IDEAL, annotate_ideal
 from prefixmesh.loadgen.options import WorkloadSpec
 from prefixmesh.loadgen.sweep import sweep
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
+from prefixmesh.services.worker.engine.types import SimEngineConfig
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, parse_gpu_profiles
 
 # Fractions of the estimated capacity run by every configuration (light, medium, heavy).
 LOADS = (0.3, 0.6, 0.9)
 POLICIES = (*POLICY_NAMES, IDEAL)
+# The policies E2 is compared against; under cache pressure, the capacity's references.
+PEERS = tuple(p for p in POLICY_NAMES if p != "e2")
 # Requests of the heaviest load of a run (lighter loads take fewer over the same time).
 REQUESTS = 500
-# Capacity: the rate where ideal's mean latency reaches this multiple of its light-load
-# latency, probed with this many requests.
+# Capacity: the rate where the reference's mean latency (ideal's; under cache pressure the
+# best peer's) reaches this multiple of its light-load latency, probed with this many
+# requests.
 KNEE_FACTOR = 2.0
 PROBE_REQUESTS = 300
 PROBE_S = 60.0
@@ -88,31 +113,58 @@ SUITES: dict[str, tuple[SuiteConfig, ...]] = {
 }
 
 
-def _ideal_avg(cfg: SuiteConfig, spec: WorkloadSpec, rate: float) -> float:
+def _probe_avg(cfg: SuiteConfig, spec: WorkloadSpec, rate: float, policy: str,
+               engine: SimEngineConfig | None) -> float:
+    """``policy``'s mean latency at ``rate`` (Poisson), on ``engine``'s limits (None: the
+    profile's); inf if a request failed."""
     # Enough requests for a steady state: long replies keep many requests in flight.
     n = min(max(PROBE_REQUESTS, round(rate * PROBE_S)), 4 * PROBE_REQUESTS)
     reqs = spec.requests(n)
     fleet = cfg.fleet()
-    run = ClusterSim(ClusterConfig(gpus=len(fleet) or cfg.gpus, policy=IDEAL,
-                                   gpu_profiles=fleet)).run(reqs, spec.times(rate, n))
+    run = ClusterSim(ClusterConfig(gpus=len(fleet) or cfg.gpus, policy=policy,
+                                   gpu_profiles=fleet, engine_config=engine)
+                     ).run(reqs, spec.times(rate, n))
     done = [r.latency_s for r in run.results if r.ok]
     return statistics.mean(done) if len(done) == len(reqs) else float("inf")
 
 
-def capacity(cfg: SuiteConfig, seed: int) -> float:
-    """The rate at which ``ideal``'s mean latency is ``KNEE_FACTOR`` times its latency at a
-    light rate (Poisson arrivals, ``PROBE_REQUESTS`` requests): doubling, then bisecting.
-    Busy GPU time cannot say it: a GPU decoding one long reply is busy all the while."""
+def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
+    """The rate at which the reference's mean latency is ``KNEE_FACTOR`` times its latency at
+    a light rate (Poisson arrivals, ``PROBE_REQUESTS`` requests): doubling, then bisecting.
+    Busy GPU time cannot say it: a GPU decoding one long reply is busy all the while.
+
+    The reference is ``ideal``; under cache pressure, the lowest mean latency of ``PEERS`` at
+    each rate, each GPU with the KV blocks of the configuration's heaviest run
+    (``requests`` requests; see the module docstring)."""
     spec = WorkloadSpec(cfg.workload, arrivals="poisson", seed=seed)
     gpus = len(cfg.fleet()) or cfg.gpus
-    light = _ideal_avg(cfg, spec, 0.05 * gpus)
+    refs: list[str] = [IDEAL]
+    engine = None
+    if cfg.cache_pressure > 0:
+        refs = list(PEERS)
+        engine = SimEngineConfig(num_blocks=pressure_blocks(spec.requests(requests), gpus,
+                                                            cfg.cache_pressure))
+
+    def latency(rate: float, target: float = float("inf")) -> float:
+        # The lowest of the references', or the first under ``target`` (enough to place the
+        # rate below the knee); the last one under it is tried first next time.
+        best = float("inf")
+        for p in list(refs):
+            best = min(best, _probe_avg(cfg, spec, rate, p, engine))
+            if best < target:
+                refs.remove(p)
+                refs.insert(0, p)
+                break
+        return best
+
+    light = latency(0.05 * gpus)
     target = KNEE_FACTOR * light
     lo, hi = 0.05 * gpus, 0.1 * gpus
-    while _ideal_avg(cfg, spec, hi) < target and hi < 1e4:
+    while latency(hi, target) < target and hi < 1e4:
         lo, hi = hi, 2 * hi
     for _ in range(4):
         mid = (lo + hi) / 2
-        if _ideal_avg(cfg, spec, mid) < target:
+        if latency(mid, target) < target:
             lo = mid
         else:
             hi = mid
@@ -127,7 +179,7 @@ def run_config(cfg: SuiteConfig, seeds: Sequence[int], requests: int,
     policies = [e2 if p == "e2" else p for p in POLICIES]
     rows: list[dict] = []
     fleet = cfg.fleet()
-    cap = capacity(cfg, seeds[0])  # one capacity per configuration: seeds share rates
+    cap = capacity(cfg, seeds[0], requests)  # one per configuration: seeds share rates
     for seed in seeds:
         rates = [round(f * cap, 3) for f in LOADS]
         spec = WorkloadSpec(cfg.workload, arrivals=cfg.arrivals, seed=seed)

@@ -252,3 +252,40 @@ def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
     assert got["e2_knobs"] == "th_bal=inf" and len(e2_rows) == 3  # one per load
     assert all(r["e2_knobs"] == "th_bal=inf" for r in e2_rows)
     assert all("e2" in s["policies"] for s in got["summary"]["multiturn-4gpu"])
+
+
+def test_suite_capacity_under_cache_pressure_is_the_peers_knee_on_the_pressured_pool(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from prefixmesh.loadgen import suite
+    from prefixmesh.loadgen.ideal import IDEAL
+    from prefixmesh.loadgen.options import WorkloadSpec
+
+    monkeypatch.setattr(suite, "PROBE_REQUESTS", 40)  # short probes: seconds, not minutes
+    monkeypatch.setattr(suite, "PROBE_S", 5.0)
+    probes: list[tuple[str, int | None]] = []
+
+    class Recorder(ClusterSim):
+        def __init__(self, cfg: ClusterConfig) -> None:
+            engine = cfg.engine_config
+            probes.append((cfg.policy, engine.num_blocks if engine else None))
+            super().__init__(cfg)
+
+    monkeypatch.setattr(suite, "ClusterSim", Recorder)
+    pressured = next(c for c in suite.FAMILY if c.name == "pressure3-toolbench")
+    plain = replace(pressured, name="toolbench-4gpu", cache_pressure=0.0)
+
+    cap_plain = suite.capacity(plain, 0, requests=60)
+    # Without pressure: ideal's knee, on the profile's pool, as before.
+    assert probes and all(p == (IDEAL, None) for p in probes)
+    probes.clear()
+    cap_pressured = suite.capacity(pressured, 0, requests=60)
+    # Under pressure: only E2's peers (never E2, never ideal), each GPU with the pool of the
+    # heaviest run (its 60 requests' working set, 3x the fleet's cache).
+    pool = pressure_blocks(WorkloadSpec("toolbench", seed=0).requests(60), 4, 3.0)
+    assert {p for p, _ in probes} <= set(suite.PEERS) and "e2" not in suite.PEERS
+    assert len({p for p, _ in probes}) > 1  # the light load's latency is the best of them
+    assert all(blocks == pool for _, blocks in probes)
+    # The pressured fleet saturates sooner than ideal with 8x the profile's KV.
+    assert 0 < cap_pressured < cap_plain
