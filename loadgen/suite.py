@@ -22,9 +22,14 @@ Under cache pressure it is the best of E2's peers at each probed rate, on the pr
 - So the reference is the fleet's best router at each rate, taken over the peers E2 is
   judged against (``PEERS``: every policy but E2): no one policy sets the rates, E2 (or a
   variant under ``--e2``) does not set its own, and every variant is judged at the same
-  rates. The pool is the configuration's heaviest run's (``pressure_blocks`` of its
-  requests). The runs size theirs from their own requests (``sweep``), so the lighter
-  loads, with fewer requests, run on smaller pools than the probes.
+  rates.
+
+A configuration under cache pressure is one fleet: every GPU's KV pool is set once per
+seed, from the requests of its heaviest run (``pressure_blocks``: their working set is
+``cache_pressure`` times the fleet's cache), and the probes and every load run on it. A
+lighter load, with fewer requests over the same time, so meets less pressure on the same
+fleet (sizing each run's pool from its own requests instead made the lightest load the
+most starved one: on ``multiturn`` 242 blocks a GPU at load 0.3 against 719 at 0.9).
 
 Configurations without cache pressure keep ``ideal``'s knee (the same probes as before).
 
@@ -128,6 +133,14 @@ def _probe_avg(cfg: SuiteConfig, spec: WorkloadSpec, rate: float, policy: str,
     return statistics.mean(done) if len(done) == len(reqs) else float("inf")
 
 
+def fleet_blocks(cfg: SuiteConfig, spec: WorkloadSpec, requests: int) -> int:
+    """KV blocks of each GPU of a configuration under cache pressure, for ``spec``'s seed:
+    the working set of its heaviest run's ``requests`` requests is ``cache_pressure`` times
+    the fleet's cache."""
+    return pressure_blocks(spec.requests(requests), len(cfg.fleet()) or cfg.gpus,
+                           cfg.cache_pressure)
+
+
 def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
     """The rate at which the reference's mean latency is ``KNEE_FACTOR`` times its latency at
     a light rate (Poisson arrivals, ``PROBE_REQUESTS`` requests): doubling, then bisecting.
@@ -142,8 +155,7 @@ def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
     engine = None
     if cfg.cache_pressure > 0:
         refs = list(PEERS)
-        engine = SimEngineConfig(num_blocks=pressure_blocks(spec.requests(requests), gpus,
-                                                            cfg.cache_pressure))
+        engine = SimEngineConfig(num_blocks=fleet_blocks(cfg, spec, requests))
 
     def latency(rate: float, target: float = float("inf")) -> float:
         # The lowest of the references', or the first under ``target`` (enough to place the
@@ -183,13 +195,19 @@ def run_config(cfg: SuiteConfig, seeds: Sequence[int], requests: int,
     for seed in seeds:
         rates = [round(f * cap, 3) for f in LOADS]
         spec = WorkloadSpec(cfg.workload, arrivals=cfg.arrivals, seed=seed)
+        pool: dict = {}
+        engine = None
+        if cfg.cache_pressure > 0:  # one fleet at every load (module docstring)
+            blocks = fleet_blocks(cfg, spec, requests)
+            engine = SimEngineConfig(num_blocks=blocks)
+            pool = {"cache_pressure": cfg.cache_pressure, "num_blocks": blocks}
         got = sweep(spec, cfg.gpus, rates, policies, ["prefix_fair"], DEFAULT_PROFILE,
-                    requests / rates[-1], progress=False, gpu_profiles=fleet,
-                    cache_pressure=cfg.cache_pressure)
+                    requests / rates[-1], progress=False, gpu_profiles=fleet, engine=engine)
         for r in got:
             if r["policy"] == e2:
                 r.update(policy="e2", e2_knobs=e2_knobs)
-            r.update(config=cfg.name, arrivals=cfg.arrivals, load=LOADS[rates.index(r["rate"])])
+            r.update(config=cfg.name, arrivals=cfg.arrivals, load=LOADS[rates.index(r["rate"])],
+                     **pool)
         rows.extend(got)
     annotate_ideal(rows)
     return rows

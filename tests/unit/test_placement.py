@@ -289,3 +289,31 @@ def test_suite_capacity_under_cache_pressure_is_the_peers_knee_on_the_pressured_
     assert all(blocks == pool for _, blocks in probes)
     # The pressured fleet saturates sooner than ideal with 8x the profile's KV.
     assert 0 < cap_pressured < cap_plain
+
+
+def test_suite_runs_every_load_of_a_pressured_configuration_on_one_fleet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under cache pressure each seed's KV pool is set once, from the heaviest run's
+    requests, and every load and policy runs on it (a lighter load is the same fleet less
+    busy, not a smaller fleet); the rows say which pool."""
+    from prefixmesh.loadgen import suite
+    from prefixmesh.loadgen.options import WorkloadSpec
+
+    monkeypatch.setattr(suite, "capacity", lambda cfg, seed, requests: 20.0)
+    pools: list[int | None] = []
+
+    class Recorder(ClusterSim):
+        def __init__(self, cfg: ClusterConfig) -> None:
+            pools.append(cfg.engine_config.num_blocks if cfg.engine_config else None)
+            super().__init__(cfg)
+
+    monkeypatch.setattr("prefixmesh.loadgen.sweep.ClusterSim", Recorder)
+    cfg = next(c for c in suite.FAMILY if c.name == "pressure3-toolbench")
+    rows = suite.run_config(cfg, [0], requests=40)
+    want = suite.fleet_blocks(cfg, WorkloadSpec("toolbench", seed=0), 40)
+    # The lightest load alone would have had a smaller pool.
+    light = round(40 * suite.LOADS[0] / suite.LOADS[-1])
+    assert pressure_blocks(WorkloadSpec("toolbench", seed=0).requests(light), 4, 3.0) < want
+    assert len(rows) == len(suite.LOADS) * len(suite.POLICIES)
+    assert all(r["num_blocks"] == want and r["cache_pressure"] == 3.0 for r in rows)
+    assert pools and set(pools) == {want}
