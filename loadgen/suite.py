@@ -36,8 +36,8 @@ Configurations without cache pressure keep ``ideal``'s knee (the same probes as 
 Printed per configuration and load (means over the seeds): E2's average and p99 over the
 best other policy's (< 1: E2 ahead), E2 over ``cache_aware``, and every policy's distance
 from ``ideal``. The JSON (``results/suite-NAME.json`` by default) holds every run and
-that summary. ``family`` is the whole family (864 runs: 292 s of CPU, 9 min 22 s wall on a
-shared 2-core machine); ``quick`` a three-configuration sample (about 2 minutes).
+that summary. ``family`` is the whole family (864 runs: 603 s of CPU, 10 min wall on a
+2-core machine, docs/sim-results.md); ``quick`` a three-configuration sample.
 """
 
 from __future__ import annotations
