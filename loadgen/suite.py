@@ -157,9 +157,10 @@ def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
         refs = list(PEERS)
         engine = SimEngineConfig(num_blocks=fleet_blocks(cfg, spec, requests))
 
-    def latency(rate: float, target: float = float("inf")) -> float:
-        # The lowest of the references', or the first under ``target`` (enough to place the
-        # rate below the knee); the last one under it is tried first next time.
+    def latency(rate: float, target: float = float("-inf")) -> float:
+        # The lowest of the references' (every one of them without ``target``: the light
+        # load), or the first under ``target`` (enough to place the rate below the knee);
+        # the last one under it is tried first next time.
         best = float("inf")
         for p in list(refs):
             best = min(best, _probe_avg(cfg, spec, rate, p, engine))
