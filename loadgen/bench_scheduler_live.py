@@ -62,7 +62,7 @@ PREFIX = "benchlive"
 # steps and what they spend most in.
 STALL_TIMED = (
     "prefixmesh.services.scheduler.policies.e2:E2Policy.tick",
-    "prefixmesh.services.scheduler.prefix_tree:PrefixTree.enforce_budget",
+    "prefixmesh.services.scheduler.prefix_tree:PrefixTree._evict_lru_leaves",
     "prefixmesh.services.scheduler.stats:build_stats",
     "prefixmesh.services.scheduler.stats:HotPrefixWalk.step",
     "prefixmesh.services.scheduler.store:StateStore.flush",

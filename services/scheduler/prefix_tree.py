@@ -59,10 +59,6 @@ SNAPSHOT_VERSION = 1
 # so the tree remembers more than the cluster caches but never grows without bound.
 DEFAULT_MAX_NODES = 262_144
 DEFAULT_MAX_TOKENS = 8_388_608
-# Routing keeps the tree within its budget by dropping the least recently used leaf for
-# each one it adds beyond it (``maintain`` catches up with the rest: nodes split by KV
-# events, a smaller budget); ``enforce_budget`` cuts a tree to budget * (1 - 1/SLACK).
-BUDGET_SLACK = 8
 # Queued prune candidates beyond which the queue is flushed at once (bounds its memory).
 PRUNE_QUEUE_LIMIT = 65_536
 # Block hashes awaiting their index update beyond which the updates are applied at once
@@ -197,7 +193,7 @@ class PrefixTree:
         # entry whose node has died or grown children is dropped when popped, and one
         # whose node was touched since is pushed again with the newer time. So every live
         # leaf has an entry no later than its last access, and the budget pops leaves in
-        # exact LRU order without sorting the tree (``enforce_budget``).
+        # exact LRU order without sorting the tree (``_evict_lru_leaves``).
         self._lru: list[tuple[float, int, Node]] = []
         # Next node id and next LRU stamp (both only grow).
         self._next_nid = 1
@@ -321,7 +317,7 @@ class PrefixTree:
             node = self._split(node, matched - node.start)
         if matched == len(hashes):
             if self.n_nodes > self.max_nodes:  # the split above
-                self._evict_lru_leaves(self.max_nodes, self.max_blocks, node)
+                self._evict_lru_leaves(node)
             return node
         leaf = Node(tuple(hashes[matched:]), matched, node, last_access=now, nid=self._next_nid)
         self._next_nid += 1
@@ -338,7 +334,7 @@ class PrefixTree:
         if self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks:
             # Over budget: the least recently used leaves go now, a few at a time, so no
             # decision ever waits for a pass over the whole tree.
-            self._evict_lru_leaves(self.max_nodes, self.max_blocks, leaf)
+            self._evict_lru_leaves(leaf)
         return leaf
 
     def record(self, node: Node, matched: int, hashes: Sequence[int], worker: str,
@@ -655,7 +651,7 @@ class PrefixTree:
         self.flush()
         if self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks:
             # A few nodes split by KV events or peers' decisions, or a smaller budget.
-            self._evict_lru_leaves(self.max_nodes, self.max_blocks, None)
+            self._evict_lru_leaves(None)
             self.flush()
         if len(self._lru) > 2 * self.n_nodes + LRU_SLACK_ENTRIES:
             self._compact_lru()  # nodes pruned by KV events and the window, never popped
@@ -680,32 +676,18 @@ class PrefixTree:
         self.n_nodes -= 1
         self.n_blocks -= len(node.hashes)
 
-    def enforce_budget(self, keep: Node | None = None) -> int:
-        """Drop least recently accessed leaves until under budget * (1 - 1/BUDGET_SLACK).
-
-        Dropped nodes may still be cached or used in the window: the budget wins, so memory
-        stays bounded. ``keep`` (a node just inserted) is never dropped. Returns count.
-        (Routing and ``maintain`` keep the tree within its budget a few leaves at a time;
-        this pass makes room ahead.)
-        """
-        self.flush()
-        dropped = self._evict_lru_leaves(self.max_nodes - self.max_nodes // BUDGET_SLACK,
-                                         self.max_blocks - self.max_blocks // BUDGET_SLACK,
-                                         keep)
-        self.flush()
-        if len(self._lru) > 2 * self.n_nodes + LRU_SLACK_ENTRIES:
-            self._compact_lru()
-        return dropped
-
-    def _evict_lru_leaves(self, goal_nodes: int, goal_blocks: int, keep: Node | None) -> int:
-        """Detach least recently accessed leaves (never ``keep``) until the tree holds at
-        most ``goal_nodes`` nodes and ``goal_blocks`` blocks; their emptied ancestors are
-        queued for pruning. Returns how many were dropped."""
+    def _evict_lru_leaves(self, keep: Node | None) -> int:
+        """Detach least recently accessed leaves (never ``keep``, a node just inserted)
+        until the tree is within its budget; their emptied ancestors are queued for
+        pruning. Routing keeps the tree within it so, a leaf for each node it adds beyond
+        it (``extend``), and ``maintain`` catches up with the rest (nodes split by KV events
+        or peers' decisions, a smaller budget). Dropped nodes may still be cached or used in
+        the window: the budget wins, so memory stays bounded. Returns how many were dropped."""
         lru = self._lru
         pop, push = heapq.heappop, heapq.heappush
         kept: list[tuple[float, int, Node]] = []
         dropped = 0
-        while lru and (self.n_nodes > goal_nodes or self.n_blocks > goal_blocks):
+        while lru and (self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks):
             entry = pop(lru)
             n = entry[2]
             if not n.alive or n.children:

@@ -247,9 +247,9 @@ class _SortingTree(PrefixTree):
     drop (a drop can make its parent the least recent leaf): the order the lazy heap of
     ``PrefixTree`` must reproduce."""
 
-    def _evict_lru_leaves(self, goal_nodes, goal_blocks, keep) -> int:
+    def _evict_lru_leaves(self, keep) -> int:
         dropped = 0
-        while self.n_nodes > goal_nodes or self.n_blocks > goal_blocks:
+        while self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks:
             leaves = sorted((n for n in self.nodes() if not n.children and n is not keep
                              and n is not self.root), key=lambda n: n.last_access)
             if not leaves:
