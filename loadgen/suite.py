@@ -9,16 +9,12 @@ over its light-load latency (``capacity``). The reference is ``ideal`` without c
 Under cache pressure it is the best of E2's peers at each probed rate, on the pressured KV pool:
 
 - ``ideal`` has ``IDEAL_KV_FACTOR`` x the profile's KV whatever the pressure, so its knee is
-  the unpressured fleet's, past every real policy's own. At cache pressure 3 on 4 x A6000
-  (seed 0, each GPU with the heaviest run's pool), the best peers' knees are 25-28 req/s on
-  ``toolbench`` and 8.1-8.5 on ``multiturn`` (60 s runs; 5.3-5.7 on 240 s ones), against
-  loads 0.6 and 0.9 of ideal's capacity at 36.48 and 54.72 req/s (``toolbench``), 14.88
-  and 22.32 (``multiturn``). There every real policy's mean latency grows with the run's
-  length: overload, not a placement gap.
-- ``ideal`` on the pressured pool is no reference either: its free copies of every computed
-  prefix need the larger pool (on a full cache they evict what other requests still use),
-  so above light load it trails ``cache_aware`` (``toolbench`` at 25.6 req/s: 5.7 s
-  against 2.2 s) and its knee measures its own thrashing.
+  the unpressured fleet's: the pressured fleet run at loads of it was overloaded, its mean
+  latency growing with the run's length (docs/sim-results.md, "Cache pressure at the
+  fleet's own knee").
+- ``ideal`` on the pressured pool is no reference either: its free copy of every computed
+  prefix needs the larger pool (on a full cache it evicts what other requests still use),
+  so its knee would measure its own thrashing.
 - So the reference is the fleet's best router at each rate, taken over the peers E2 is
   judged against (``PEERS``: every policy but E2): no one policy sets the rates, E2 (or a
   variant under ``--e2``) does not set its own, and every variant is judged at the same
@@ -226,7 +222,7 @@ def summarize_config(rows: Sequence[dict]) -> list[dict]:
                    statistics.mean(r["latency_p99_s"] for r in rs),
                    sum(r["failed"] for r in rs))
                for p, rs in by_load[load].items()}
-        others = {p: v for p, v in pol.items() if p not in ("e2", IDEAL)}
+        others = {p: v for p, v in pol.items() if p in PEERS}
         best_avg = min(others, key=lambda p: others[p][0])
         best_p99 = min(others, key=lambda p: others[p][1])
         e2, ideal, ca = pol["e2"], pol[IDEAL], pol["cache_aware"]
