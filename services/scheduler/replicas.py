@@ -8,10 +8,10 @@ them with ``GlobalPolicy.apply_decision``, so N replicas splitting the traffic e
 see the whole in-flight load instead of 1/N of it.
 
 A replica with no other replica to tell skips all of that (building, packing and
-publishing a record per decision is a fifth of a lone scheduler's work): every replica
-says it is there with an empty ``RoutingDecisionsEvent`` when it starts and every
-``PEER_HELLO_S`` (``Peers``), answers a replica it had not heard with a hello of its own,
-and records its decisions only while it has heard another one lately. A replica that
+publishing a record per decision was more than a tenth of a lone scheduler's work):
+every replica says it is there with an empty ``RoutingDecisionsEvent`` when it starts and
+every ``PEER_HELLO_S`` (``Peers``), answers a replica it had not heard with a hello of its
+own, and records its decisions only while it has heard another one lately. A replica that
 starts says so before it catches up, so the others tell it everything from a few
 milliseconds after its start, long before it routes.
 
