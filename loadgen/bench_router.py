@@ -20,6 +20,10 @@ repeats and gives each contender's req/s over the reference's (``--reference``,
 ``sglang-cache_aware`` by default; ``prefixmesh-round_robin`` also over
 ``sglang-round_robin``: the same placement, so the path alone differs).
 
+``--edges 1,2`` runs every prefixmesh contender once per number of edge processes
+(sharing one port, ``prefixmesh up --shared-port``: one address, as a router's threads
+share one), rows named ``CONTENDER (N edges)`` above one.
+
 ``--baseline DIR`` runs every prefixmesh contender a second time from other code: DIR
 holds a ``prefixmesh`` package laid out as installed (``prefixmesh/services``, ``shared``,
 ``loadgen``: an older checkout's folders, linked), put first on the services' PYTHONPATH;
@@ -185,6 +189,28 @@ def markdown(summary: Sequence[dict], reference: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_of(names: Sequence[str], contenders: dict[str, Contender], edge_counts: Sequence[int],
+            baseline: Path | None) -> dict[str, tuple[Contender, dict[str, str], int]]:
+    """Label -> (contender, extra environment of its services, edge processes), in the
+    order given: each prefixmesh contender once per number of edges and, with a
+    baseline, once more per number from that code."""
+    out: dict[str, tuple[Contender, dict[str, str], int]] = {}
+    for n in names:
+        c = contenders.get(n)
+        if c is None:  # direct
+            continue
+        if c.family != "prefixmesh":
+            out[n] = (c, {}, 1)
+            continue
+        codes: list[tuple[str, dict[str, str]]] = [("", {})]
+        if baseline is not None:
+            codes.append((" (baseline)", {"PYTHONPATH": str(baseline.resolve())}))
+        for suffix, env in codes:
+            for edges in edge_counts:
+                out[n + (f" ({edges} edges)" if edges > 1 else "") + suffix] = (c, env, edges)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixmesh bench-router", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -204,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
     p.add_argument("--repeats", type=int, default=3, help="rounds over every point")
     p.add_argument("--profile", default="mistral-7b-a6000", help="cost-model profile")
+    p.add_argument("--edges", default="1",
+                   help="comma-separated numbers of edge processes to run each prefixmesh "
+                   "contender with (sharing one port)")
     p.add_argument("--baseline", type=Path, default=None,
                    help="also run each prefixmesh contender from the prefixmesh package in "
                    "this folder (before/after in one run)")
@@ -226,17 +255,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = {n: why for n, c in contenders.items() if (why := available(c))}
     if missing:
         raise SystemExit("; ".join(f"{n}: {w}" for n, w in missing.items()))
-    # Label -> (contender, extra environment of its services).
-    started: dict[str, tuple[Contender, dict[str, str]]] = {
-        n: (c, {}) for n, c in contenders.items()}
-    if args.baseline is not None:
-        if not (args.baseline / "prefixmesh" / "services").is_dir():
-            raise SystemExit(f"--baseline {args.baseline}: no prefixmesh/services in it")
-        for n, c in contenders.items():
-            if c.family == "prefixmesh":
-                label = f"{n} (baseline)"
-                started[label] = (c, {"PYTHONPATH": str(args.baseline.resolve())})
-                names.append(label)
+    try:
+        edge_counts = [int(e) for e in parse_names(args.edges)]
+    except ValueError:
+        edge_counts = []
+    if not edge_counts or min(edge_counts) < 1:
+        raise SystemExit(f"--edges: expected comma-separated positive integers, got "
+                         f"{args.edges!r}")
+    if args.baseline is not None and not (args.baseline / "prefixmesh" / "services").is_dir():
+        raise SystemExit(f"--baseline {args.baseline}: no prefixmesh/services in it")
+    started = runs_of(names, contenders, edge_counts, args.baseline)
+    # In the order given, a prefixmesh contender's runs where it was named.
+    names = [label for n in names
+             for label in ([n] if n == DIRECT else [k for k, r in started.items()
+                                                     if r[0].name == n])]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-", dir=args.json.parent)) / "logs"
     log_dir.mkdir(parents=True)
@@ -245,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "prefixmesh bench-router " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "profile": args.profile, "cpus": os.cpu_count(),
         "reference": args.reference, "prompt": PROMPT, "started": time.time(),
-        "baseline": str(args.baseline or "")}}
+        "baseline": str(args.baseline or ""), "edges": edge_counts}}
     infra: list[ManagedProcess] = []
     running: list[Running] = []
     try:
@@ -262,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # it is measured (all meshes would share the workers' subjects, and every
             # scheduler would answer every edge).
             up: dict[str, Running] = {}
-            for name, (c, env) in started.items():
+            for name, (c, env, _) in started.items():
                 if c.family != "prefixmesh":
                     up[name] = start_contender(c, group, infra_urls, len(running), log_dir, env)
                     running.append(up[name])
@@ -272,8 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in names[k:] + names[:k]:
                     mesh = None
                     if name in started and name not in up:
-                        c, env = started[name]
-                        mesh = start_contender(c, group, infra_urls, len(running), log_dir, env)
+                        c, env, edges = started[name]
+                        mesh = start_contender(c, group, infra_urls, len(running), log_dir, env,
+                                               edges)
                         running.append(mesh)
                         time.sleep(SETTLE_S)
                     target = up.get(name) or mesh

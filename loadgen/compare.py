@@ -256,13 +256,16 @@ class Running:
 
 
 def start_contender(c: Contender, group: WorkerGroup, infra: dict[str, str], serial: int,
-                    log_dir: Path, env: dict[str, str] | None = None) -> Running:
+                    log_dir: Path, env: dict[str, str] | None = None, edges: int = 1
+                    ) -> Running:
     """Start ``c`` in front of ``group``'s workers; returns when it serves. ``env``: more
-    environment for a prefixmesh mesh's services (e.g. PYTHONPATH of other code)."""
+    environment for a prefixmesh mesh's services (e.g. PYTHONPATH of other code);
+    ``edges``: a prefixmesh mesh's edge processes, sharing one port."""
     if c.family == "prefixmesh":
         # The first worker's profile: the edge serves its model name, as the workers do.
         opts = MeshOptions(
             workers=0, external_workers=group.n, policy=c.policy, local_policy=c.local_policy,
+            edges=edges, shared_port=edges > 1,
             profile=group.profiles[0], port=0, metrics_port=0, nats_url=infra["nats"],
             redis_url=infra["redis"], subject_prefix=group.subject_prefix,
             log_dir=log_dir / f"mesh-{serial}-{c.name}", log_level="WARNING",

@@ -42,10 +42,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if opts.port:
         from prefixmesh.shared.runtime.servers import port_open
 
-        taken = [opts.port + i for i in range(opts.edges) if port_open(opts.host, opts.port + i)]
+        ports = 1 if opts.shared_port else opts.edges
+        taken = [opts.port + i for i in range(ports) if port_open(opts.host, opts.port + i)]
         if taken:
-            print(f"--port: the edges need ports {opts.port}-{opts.port + opts.edges - 1}; "
-                  f"in use: {', '.join(map(str, taken))}", file=sys.stderr)
+            need = (f"port {opts.port}" if ports == 1
+                    else f"ports {opts.port}-{opts.port + ports - 1}")
+            print(f"--port: the edges need {need}; in use: {', '.join(map(str, taken))}",
+                  file=sys.stderr)
             return 2
     return run_up(opts, args.state_file)
 

@@ -69,7 +69,11 @@ class MeshOptions:
                                       "own id, subjects and load reports): a large fleet "
                                       "on a small machine")
     schedulers: int = option(1, "scheduler replicas, all routing (active-active)")
-    edges: int = option(1, "edge replicas, on consecutive ports from --port")
+    edges: int = option(1, "edge replicas, on consecutive ports from --port (see "
+                        "--shared-port)")
+    shared_port: bool = option(False, "every edge listens on --port itself (SO_REUSEPORT, "
+                               "Linux): one address, the kernel spreading connections over "
+                               "the edges; each serves /metrics on a side port")
     tokenizers: int = option(1, "tokenizer replicas (one queue group)")
     nats_cluster: int = option(1, "nats-servers to start: above 1, that many routed as one "
                                "cluster (JetStream replicated on up to 3) on free ports; 1, "
@@ -139,7 +143,7 @@ class LocalMesh:
         self.nats_cluster: NatsCluster | None = None
         self.redis_url = opts.redis_url
         if opts.port == 0:
-            opts.port = free_ports(opts.edges)
+            opts.port = free_port() if opts.shared_port else free_ports(opts.edges)
         if opts.metrics_port == 0:
             opts.metrics_port = free_port()
         # One profile per own worker; a mixed fleet serves one model name (the first
@@ -155,8 +159,9 @@ class LocalMesh:
 
     @property
     def edge_urls(self) -> list[str]:
-        """Every edge's URL (consecutive ports from ``--port``)."""
-        return [f"http://{self.opts.host}:{self.opts.port + i}" for i in range(self.opts.edges)]
+        """Every edge's URL (consecutive ports from ``--port``), or the one they share."""
+        ports = 1 if self.opts.shared_port else self.opts.edges
+        return [f"http://{self.opts.host}:{self.opts.port + i}" for i in range(ports)]
 
     @property
     def metrics_url(self) -> str:
@@ -164,8 +169,9 @@ class LocalMesh:
 
     def scrape_urls(self) -> dict[str, str]:
         """Every service's Prometheus endpoint, by service name (what Prometheus scrapes)."""
-        urls = {_replica_name("edge", i): url + "/metrics"
-                for i, url in enumerate(self.edge_urls)}
+        urls = ({} if self.opts.shared_port else  # on side ports, as the others
+                {_replica_name("edge", i): url + "/metrics"
+                 for i, url in enumerate(self.edge_urls)})
         urls["metrics"] = self.metrics_url + "/metrics"
         for name, port in self.metrics_ports.items():
             urls[name] = f"http://{self.opts.host}:{port}/metrics"
@@ -200,7 +206,8 @@ class LocalMesh:
 
     def _spawn(self, module: str, name: str, **env: str) -> None:
         o = self.opts
-        if module not in ("edge", "metrics"):  # the others serve /metrics on a side port
+        # The others serve /metrics on a side port (edges too where they share one).
+        if module != "metrics" and (module != "edge" or o.shared_port):
             self.metrics_ports[name] = port = free_port()
             env = {"PM_METRICS_PORT": str(port), **env}
         base = {
@@ -246,10 +253,19 @@ class LocalMesh:
         if o.nats_cluster > 1:  # the Batch API's bucket survives a node, as routing does
             models["PM_BATCH_REPLICAS"] = str(min(o.nats_cluster, 3))
         for i in range(o.edges):
-            self._spawn("edge", _replica_name("edge", i), PM_HOST=o.host,
-                        PM_PORT=str(o.port + i), **models)
+            port = o.port if o.shared_port else o.port + i
+            self._spawn("edge", _replica_name("edge", i), PM_HOST=o.host, PM_PORT=str(port),
+                        PM_REUSE_PORT=str(o.shared_port), **models)
         self._wait_ready()
         return self
+
+    def _edge_health(self) -> list[str]:
+        """Each edge's /health: on its own port, or on its side port where they share one
+        (the shared one answers from any of them)."""
+        if not self.opts.shared_port:
+            return [u + "/health" for u in self.edge_urls]
+        return [f"http://{self.opts.host}:{self.metrics_ports[_replica_name('edge', i)]}/health"
+                for i in range(self.opts.edges)]
 
     def _check_alive(self) -> None:
         for p in self.services:
@@ -265,8 +281,7 @@ class LocalMesh:
         expected = self.opts.workers + self.opts.external_workers
         while True:
             self._check_alive()
-            edge = all(get_json(u + "/health", POLL_TIMEOUT_S) is not None
-                       for u in self.edge_urls)
+            edge = all(get_json(u, POLL_TIMEOUT_S) is not None for u in self._edge_health())
             cluster = get_json(self.metrics_url + "/cluster", POLL_TIMEOUT_S)
             waiting = awaited(edge, cluster, own, expected)
             if not waiting:

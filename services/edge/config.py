@@ -15,6 +15,10 @@ from prefixmesh.shared.runtime.config import CommonConfig, option
 class EdgeConfig(CommonConfig):
     host: str = option("127.0.0.1", "address the HTTP API listens on")
     port: int = option(8000, "port of the HTTP API (0 = any free port)")
+    reuse_port: bool = option(False, "share --port with the other edges of this host that "
+                              "set it too (SO_REUSEPORT, Linux): the kernel spreads new "
+                              "connections over them, one address for all; give each its "
+                              "own --metrics-port to scrape it")
     models: str = option(DEFAULT_MODEL, "comma-separated model names served (the workers' "
                          "--model; shared/models.py)")
     vocab_size: int = option(49152, "token ids in prompts must be below this")

@@ -21,6 +21,7 @@ from prefixmesh.services.edge.shortcuts import LocalTokenizer, Shortcuts
 from prefixmesh.services.edge.tenants import ApiKeys
 from prefixmesh.services.edge.workers import WorkerDirectory
 from prefixmesh.shared.bus import BatchLimits, Bus
+from prefixmesh.shared.runtime.metrics import serve_metrics
 from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.text.tokenizer import TextTokenizer
 from prefixmesh.shared.wire import BUS_EVENT, STREAM_EVENT
@@ -83,8 +84,11 @@ class EdgeService:
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
-        self._site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+        self._site = web.TCPSite(runner, self.cfg.host, self.cfg.port,
+                                 reuse_port=self.cfg.reuse_port or None)
         await self._site.start()
+        # Its own /metrics and /health where edges share one port (each scraped apart).
+        await serve_metrics(stack, self.cfg.metrics_port, self.cfg.host)
         if runner.addresses:
             self.port = runner.addresses[0][1]
         log.info("edge %s listening on %s", self.edge_id, self.url)

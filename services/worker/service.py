@@ -73,6 +73,10 @@ LATENCY = Histogram("prefixmesh_worker_request_latency_seconds",
                     "arrival at the worker to last token", ["worker"], buckets=LATENCY_BUCKETS_S)
 QUEUE_TIME = Histogram("prefixmesh_worker_queue_seconds", "time a request waited to start",
                        ["worker"], buckets=LATENCY_BUCKETS_S)
+ARRIVAL_DELAY = Histogram("prefixmesh_worker_arrival_delay_seconds",
+                          "the mesh's path before the engine: from the edge sending a request "
+                          "(TokenizedRequest.created) to its arrival here (across hosts, with "
+                          "their clocks' offset)", ["worker"], buckets=LATENCY_BUCKETS_S)
 # KV blocks the engine evicted (BlockRemoved events): zero until the prefix cache is full.
 KV_EVICTED = Counter("prefixmesh_worker_kv_blocks_evicted_total",
                      "KV cache blocks evicted (BlockRemoved events published)", ["worker"])
@@ -146,6 +150,7 @@ class WorkerService:
         # An extra way in, started once the engine runs (the HTTP API: worker/http.py).
         self.front = front
         self.worker_id = cfg.resolved_worker_id()
+        self._arrival_delay = ARRIVAL_DELAY.labels(self.worker_id)
         self.cost = CostModel.load(cfg.profile)
         # Name and context length of the served model (shared/models.py).
         self.model = cfg.served_model()
@@ -233,8 +238,11 @@ class WorkerService:
             return refuse(f"worker queue full ({self.cfg.max_requests})", "overloaded")
         if req.request_id in self.live:  # a retried submit of a request we already run
             return SubmitReply(request_id=req.request_id, worker_id=self.worker_id)
-        if req.deadline and time.time() >= req.deadline:
+        now = time.time()
+        if req.deadline and now >= req.deadline:
             return refuse("request deadline already passed", "timeout")
+        if req.created > 0 and sink is None:  # sent over the bus by an edge
+            self._arrival_delay.observe(max(now - req.created, 0.0))
         try:
             ereq = EngineRequest(
                 request_id=req.request_id, prompt_token_ids=req.token_ids,

@@ -1,10 +1,13 @@
 """``prefixmesh up --schedulers 3 --nats-cluster 3 --edges 2 --tokenizers 2`` serves the
 official ``openai`` client on every edge; a scheduler and a NATS node killed between two
-rounds of requests fail none of the second round."""
+rounds of requests fail none of the second round; ``--edges 2 --shared-port`` serves on one
+address from both edges."""
 
 from __future__ import annotations
 
+import json
 import signal
+import urllib.request
 
 import pytest
 from openai import OpenAI
@@ -45,3 +48,34 @@ def test_scaled_mesh_serves_the_openai_client(tmp_path, redis_server) -> None:
         mesh.nats_cluster.nodes[2].signal(signal.SIGKILL)
         # One scheduler and one NATS node fewer: every request is still served.
         assert all(t for t in _round(mesh.edge_urls, "second"))
+
+
+def _served(metrics_url: str) -> float:
+    """Completions an edge answered with 200, from its own /metrics."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("prefixmesh_edge_requests_total{")
+               and 'route="/v1/completions"' in line and 'status="200"' in line)
+
+
+def test_edges_sharing_one_port_each_take_connections(tmp_path, nats_server,
+                                                      redis_server) -> None:
+    """``--edges 2 --shared-port``: one address; connections, each new, land on both edges
+    (the kernel spreads them), and each edge reports its own on its side port."""
+    opts = mesh_options(nats_server, redis_server, tmp_path / "logs", edges=2,
+                        shared_port=True, subject_prefix="sharedport")
+    with LocalMesh(opts) as mesh:
+        assert mesh.edge_urls == [mesh.url]
+        sent = 24
+        for i in range(sent):  # a new connection each: urllib does not keep them
+            body = json.dumps({"model": MODEL, "prompt": f"connection {i}",
+                               "max_tokens": 2}).encode()
+            req = urllib.request.Request(mesh.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert json.loads(resp.read())["choices"][0]["finish_reason"] == "length"
+        scrape = mesh.scrape_urls()
+        served = [_served(scrape[name]) for name in ("edge", "edge-1")]
+        # Both take a share (each of 24 connections lands on either; all on one edge has
+        # odds of 2 in 16 million).
+        assert sum(served) == sent and min(served) > 0, served

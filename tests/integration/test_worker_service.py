@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from prometheus_client import REGISTRY
 
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
@@ -202,3 +205,29 @@ def _records(events: Recorder) -> list[RequestDoneEvent]:
     for batch in events.of(RequestDoneBatch):
         out.extend(batch.events)
     return out
+
+
+async def test_a_request_sent_by_an_edge_records_its_path_delay(harness) -> None:
+    """``worker_arrival_delay_seconds``: from the edge's ``created`` time to the arrival,
+    observed once per request that names one."""
+    bus, worker, _events, _streams = harness
+
+    def delays() -> tuple[float, float]:
+        labels = {"worker": "w0"}
+        return (REGISTRY.get_sample_value("prefixmesh_worker_arrival_delay_seconds_count",
+                                          labels) or 0.0,
+                REGISTRY.get_sample_value("prefixmesh_worker_arrival_delay_seconds_sum",
+                                          labels) or 0.0)
+
+    count0, sum0 = delays()
+    unnamed = _req(bus, "untimed", list(range(300, 316)), max_tokens=1)
+    assert (await bus.request(bus.subjects.worker_submit("w0"), unnamed, SUBMIT_REPLY,
+                              5)).accepted
+    assert delays()[0] == count0  # no created time: nothing to measure
+    timed = _req(bus, "timed", list(range(400, 416)), max_tokens=1)
+    timed.created = time.time() - 0.25  # sent a quarter second ago
+    assert (await bus.request(bus.subjects.worker_submit("w0"), timed, SUBMIT_REPLY,
+                              5)).accepted
+    count1, sum1 = delays()
+    assert count1 == count0 + 1
+    assert 0.25 <= sum1 - sum0 < 5.0
