@@ -12,7 +12,10 @@ shared, so cache affinity plays no part) and the next one as soon as the answer 
 After ``--warmup`` seconds, ``--duration`` seconds are measured.
 
 Each row: completed requests per second (``req_per_s``, the capacity at that
-concurrency), latency p50 / p99 / mean from the client's send to the last byte, the CPU
+concurrency), latency p50 / p99 / mean from the client's send to the last byte, the
+workers' own mean (arrival to last token, their ``/metrics``: the rest of the mean is the
+path through the router and the client, both ways) and, through the mesh, the mean from
+the edge sending a request to its arrival at the worker, the CPU
 milliseconds every part used per completed request (``/proc``; workers, NATS, each
 contender's processes, the client), how busy the machine's CPUs were, and the 1-minute
 load average (other jobs on a shared machine show there). ``summary`` averages the
@@ -129,13 +132,16 @@ async def closed_loop(urls: Sequence[str], model: str, concurrency: int, warmup_
 
 
 def measure(name: str, urls: Sequence[str], model: str, concurrency: int,
-            args: argparse.Namespace, pids: dict[str, list[int]]) -> dict:
+            args: argparse.Namespace, pids: dict[str, list[int]],
+            group: WorkerGroup) -> dict:
     """One point: the closed loop, and the CPU every part used meanwhile."""
     meter = CpuMeter(pids)
+    before = group.timings()
     t0 = time.perf_counter()
     point = uvloop.run(closed_loop(urls, model, concurrency, args.warmup, args.duration))
     wall = time.perf_counter() - t0
     cpu = meter.read()
+    t = {k: v - before[k] for k, v in group.timings().items()}
     lat = sorted(point.latencies)
     n = len(lat)
     # The CPU was read over warm-up and window alike: per request of the whole loop.
@@ -146,6 +152,11 @@ def measure(name: str, urls: Sequence[str], model: str, concurrency: int,
         "p50_ms": round(percentile(lat, 50) * 1e3, 2),
         "p99_ms": round(percentile(lat, 99) * 1e3, 2),
         "mean_ms": round(statistics.fmean(lat) * 1e3, 2) if lat else 0.0,
+        # Over the whole loop (warm-up too): the mean in the workers, arrival to last token,
+        # and the mesh's path from its edge to the worker (none through an HTTP router).
+        "worker_mean_ms": round(t["latency_sum"] / max(t["latency_count"], 1) * 1e3, 2),
+        "edge_to_worker_ms": (round(t["arrival_sum"] / t["arrival_count"] * 1e3, 2)
+                              if t["arrival_count"] else None),
         "cpu_ms_per_request": {k: round(v / max(served, 1) * 1e3, 3) for k, v in cpu.items()},
         "cpus_busy": round(sum(cpu.values()) / wall, 2),
         "loadavg_1m": round(os.getloadavg()[0], 2),
@@ -166,25 +177,33 @@ def summarize(rows: Sequence[dict], reference: str) -> list[dict]:
                "req_per_s_each": [r["req_per_s"] for r in rs],
                "p50_ms": round(statistics.fmean(r["p50_ms"] for r in rs), 2),
                "p99_ms": round(statistics.fmean(r["p99_ms"] for r in rs), 2),
+               "mean_ms": round(statistics.fmean(r["mean_ms"] for r in rs), 2),
+               "worker_mean_ms": round(statistics.fmean(r["worker_mean_ms"] for r in rs), 2),
                "loadavg_1m": round(statistics.fmean(r["loadavg_1m"] for r in rs), 2)}
         for label, other in (("vs_reference", reference), ("vs_same_policy",
                                                            SAME_POLICY.get(name, ""))):
             if (other, conc) in means and other != name:
                 row[label] = round(means[(name, conc)] / means[(other, conc)], 3)
+        paths = [r["edge_to_worker_ms"] for r in rs if r.get("edge_to_worker_ms") is not None]
+        if paths:
+            row["edge_to_worker_ms"] = round(statistics.fmean(paths), 2)
         out.append(row)
     return sorted(out, key=lambda r: (r["concurrency"], r["contender"]))
 
 
 def markdown(summary: Sequence[dict], reference: str) -> str:
     """The summary as a markdown table."""
-    lines = [f"| concurrency | contender | req/s (each repeat) | p50 ms | p99 ms | "
-             f"vs {reference} | vs same policy | load (1 min) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| concurrency | contender | req/s (each repeat) | p50 ms | p99 ms | mean ms | "
+             f"in workers ms | edge to worker ms | vs {reference} | vs same policy | "
+             f"load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         each = ", ".join(f"{x:,.0f}" for x in r["req_per_s_each"])
         ratios = [f"{r[k]:.2f}x" if k in r else "" for k in ("vs_reference", "vs_same_policy")]
+        path = f"{r['edge_to_worker_ms']:.1f}" if "edge_to_worker_ms" in r else ""
         lines.append(f"| {r['concurrency']} | {r['contender']} | {r['req_per_s']:,.0f} ({each}) "
-                     f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {ratios[0]} | {ratios[1]} "
+                     f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['mean_ms']:.1f} "
+                     f"| {r['worker_mean_ms']:.1f} | {path} | {ratios[0]} | {ratios[1]} "
                      f"| {r['loadavg_1m']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -316,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           if part not in ("nats-server", "redis-server")})
                     j = rep % len(concurrencies)
                     for conc in concurrencies[j:] + concurrencies[:j]:
-                        row = measure(name, urls, model, conc, args, parts)
+                        row = measure(name, urls, model, conc, args, parts, group)
                         row["repeat"] = rep
                         result["runs"].append(row)
                         print(json.dumps(row), flush=True)

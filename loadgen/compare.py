@@ -54,6 +54,7 @@ from pathlib import Path
 
 import aiohttp
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.loadgen.guidellm_client import run_guidellm
 from prefixmesh.loadgen.options import (
@@ -190,6 +191,7 @@ class WorkerGroup:
                  profiles: Sequence[str] = ()) -> None:
         self.procs: list[ManagedProcess] = []
         self.urls: list[str] = []
+        self.metrics_urls: list[str] = []  # each worker's Prometheus /metrics
         self.n, self.local_policy, self.profile = n, local_policy, profile
         # One profile per worker (a fleet mixing GPU types); empty: ``profile`` for all.
         self.profiles = tuple(profiles) or (profile,) * n
@@ -202,9 +204,9 @@ class WorkerGroup:
     def __enter__(self) -> WorkerGroup:
         try:
             for i in range(self.n):
-                port = free_port()
+                port, metrics_port = free_port(), free_port()
                 argv = [sys.executable, "-m", "prefixmesh.services.cli", "worker", "--http",
-                        str(port),
+                        str(port), "--metrics-port", str(metrics_port),
                         "--nats-url", self.nats_url, "--subject-prefix", self.subject_prefix,
                         "--worker-id", f"w{i}", "--backend", "sim",
                         "--profile", self.profiles[i], *self.model_args,
@@ -214,6 +216,7 @@ class WorkerGroup:
                 self.procs.append(ManagedProcess(name, argv, env=child_env(
                     PYTHONUNBUFFERED="1"), log_path=self.log_dir / f"{name}.log").start())
                 self.urls.append(f"http://127.0.0.1:{port}")
+                self.metrics_urls.append(f"http://127.0.0.1:{metrics_port}/metrics")
             for url, proc in zip(self.urls, self.procs):
                 wait_models(url, proc, proc.name)
         except BaseException:
@@ -233,6 +236,26 @@ class WorkerGroup:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{url} did not flush its cache")
                 time.sleep(0.5)
+
+    def timings(self) -> dict[str, float]:
+        """Sums and counts, over every worker so far, of the seconds from a request's
+        arrival to its last token (``latency``) and from its edge to its arrival
+        (``arrival``: requests that came over the mesh only), from their /metrics."""
+        wanted = {"prefixmesh_worker_request_latency_seconds": "latency",
+                  "prefixmesh_worker_arrival_delay_seconds": "arrival"}
+        out = dict.fromkeys(("latency_sum", "latency_count", "arrival_sum",
+                             "arrival_count"), 0.0)
+        for url in self.metrics_urls:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                if family.name not in wanted:
+                    continue
+                for sample in family.samples:
+                    kind = sample.name.removeprefix(family.name)  # _sum, _count, _bucket
+                    if kind in ("_sum", "_count"):
+                        out[wanted[family.name] + kind] += sample.value
+        return out
 
     def step_lag(self) -> dict[str, float]:
         """The workers' step lag since the last flush: the worst lag ratio and step lag."""

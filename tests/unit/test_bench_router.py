@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefixmesh.loadgen.bench_router import runs_of
+from prefixmesh.loadgen.bench_router import markdown, runs_of, summarize
 from prefixmesh.loadgen.compare import Contender
 
 
@@ -23,3 +23,22 @@ def test_each_prefixmesh_contender_runs_once_per_edge_count_and_code(tmp_path: P
     assert runs_of(names, contenders, [4], None) == {
         "prefixmesh-e2 (4 edges)": (contenders["prefixmesh-e2"], {}, 4),
         "sglang-cache_aware": (contenders["sglang-cache_aware"], {}, 1)}
+
+
+def test_the_summary_splits_the_latency_into_workers_and_path() -> None:
+    def row(name: str, rps: float, worker_ms: float, path_ms: float | None) -> dict:
+        return {"contender": name, "concurrency": 64, "req_per_s": rps, "p50_ms": 50.0,
+                "p99_ms": 80.0, "mean_ms": 55.0, "worker_mean_ms": worker_ms,
+                "edge_to_worker_ms": path_ms, "loadavg_1m": 2.0}
+
+    rows = [row("prefixmesh-e2", 1200, 40.0, 3.0), row("prefixmesh-e2", 1300, 44.0, 5.0),
+            row("sglang-cache_aware", 1250, 42.0, None)]
+    by_name = {r["contender"]: r for r in summarize(rows, "sglang-cache_aware")}
+    mesh, http = by_name["prefixmesh-e2"], by_name["sglang-cache_aware"]
+    assert (mesh["req_per_s"], mesh["worker_mean_ms"], mesh["edge_to_worker_ms"]) == (
+        1250, 42.0, 4.0)
+    assert mesh["vs_reference"] == 1.0
+    assert "edge_to_worker_ms" not in http  # an HTTP router has no edge
+    table = markdown(summarize(rows, "sglang-cache_aware"), "sglang-cache_aware")
+    assert "| 64 | prefixmesh-e2 | 1,250 (1,200, 1,300) | 50.0 | 80.0 | 55.0 | 42.0 | 4.0 |" \
+        in table
