@@ -32,8 +32,8 @@ Configurations without cache pressure keep ``ideal``'s knee (the same probes as 
 Printed per configuration and load (means over the seeds): E2's average and p99 over the
 best other policy's (< 1: E2 ahead), E2 over ``cache_aware``, and every policy's distance
 from ``ideal``. The JSON (``results/suite-NAME.json`` by default) holds every run and
-that summary. ``family`` is the whole family (864 runs: 603 s of CPU, 10 min wall on a
-2-core machine, docs/sim-results.md); ``quick`` a three-configuration sample.
+that summary. ``family`` is the whole family (864 runs: 289-603 s of CPU, one core,
+docs/sim-results.md); ``quick`` a three-configuration sample.
 """
 
 from __future__ import annotations

@@ -50,10 +50,18 @@ def test_explore_spreads_cold_prompts_by_load():
     got = Counter(p.route(req(f"r{i}", toks(i, 40)), 0.01 * i).worker_id for i in range(8))
     assert sorted(got.values()) == [2, 2, 2, 2]
     # Three workers made heavy by huge prompts: the next cold prompts all go to the fourth,
-    # whatever order ties would be broken in.
+    # whatever order ties would be broken in (each short one done before the next, as
+    # the first eight are: only the huge ones stay in flight).
+    for i in range(8):
+        p.on_done(RequestDoneEvent(request_id=f"r{i}", worker_id=p.window.by_rid[f"r{i}"].ws.id,
+                                   completion_tokens=64), 0.5)
     for i, w in enumerate(("w0", "w1", "w2")):
         p.route(req(f"big{i}", toks(99 + i, 600), exclude=others(p, w)), 1.0)
-    later = [p.route(req(f"s{i}", toks(200 + i, 40)), 1.1 + i).worker_id for i in range(4)]
+    later = []
+    for i in range(4):
+        later.append(p.route(req(f"s{i}", toks(200 + i, 40)), 1.1 + i).worker_id)
+        p.on_done(RequestDoneEvent(request_id=f"s{i}", worker_id=later[-1],
+                                   completion_tokens=64), 1.6 + i)
     assert later == ["w3"] * 4
 
 
@@ -280,9 +288,15 @@ def test_snapshot_restore_round_trip_on_another_clock():
     assert (d1.worker_id, d1.kind, d1.matched_tokens) == (d2.worker_id, d2.kind, d2.matched_tokens)
     for w in p.workers:
         assert q.worker_state(w).n == p.worker_state(w).n
+    # Restored requests await their completion records but do not count as in flight (a
+    # snapshot does not say which are done): the count starts again from new decisions.
+    assert sum(p.worker_state(w).inflight for w in p.workers) == 7
+    assert q.worker_state(d2.worker_id).inflight == 1
+    assert sum(q.worker_state(w).inflight for w in q.workers) == 1
     # ... and the window still expires on the new clock.
     q.tick(200.0)
     assert all(q.worker_state(w).L == 0.0 for w in q.workers)
+    assert all(q.worker_state(w).inflight == 0 for w in q.workers)
 
 
 def test_memory_stays_bounded_under_an_endless_stream_of_unique_prompts():

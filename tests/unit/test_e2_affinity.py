@@ -221,7 +221,9 @@ def test_interference_keeps_cold_prefills_off_a_worker_with_a_big_running_batch(
     from prefixmesh.shared.wire import LoadReportEvent
 
     for weight in (0.5, 0.0):
-        p = make(2, PolicyConfig(interference_weight=weight, imbalance_ratio=1.1))
+        # Counted from the load reports (interference_inflight=False).
+        p = make(2, PolicyConfig(interference_weight=weight, imbalance_ratio=1.1,
+                                 interference_inflight=False))
         p.on_load(LoadReportEvent(worker_id="w0", ts=0.0, running=8), 0.0)
         p.on_load(LoadReportEvent(worker_id="w1", ts=0.0, running=0), 0.0)
         p.price.now = 0.0
@@ -235,3 +237,45 @@ def test_interference_keeps_cold_prefills_off_a_worker_with_a_big_running_batch(
             assert cold["w0"] == pytest.approx(cold["w1"])
         # A full hit has no prefill, hence no interference.
         assert hit["w0"] == pytest.approx(hit["w1"])
+
+
+def test_the_policy_counts_each_workers_requests_in_flight() -> None:
+    """Routed and not done: up at each decision, down at its completion record or when it
+    leaves the window unfinished; a request routed again counts on its new worker only."""
+    from prefixmesh.shared.wire import RequestDoneEvent
+
+    p = make(2, PolicyConfig(window_s=10.0))
+    ws0, ws1 = p.worker_state("w0"), p.worker_state("w1")
+    for i in range(3):
+        p.route(req(f"a{i}", toks(i, 8), exclude={"w1"}), 0.1 * i)
+    assert (ws0.inflight, ws1.inflight) == (3, 0)
+    p.on_done(RequestDoneEvent(request_id="a0", worker_id="w0", completion_tokens=4), 1.0)
+    p.on_done(RequestDoneEvent(request_id="a0", worker_id="w0", completion_tokens=4), 1.1)
+    assert ws0.inflight == 2  # a repeated record counts once
+    p.route(req("a1", toks(1, 8), exclude={"w0"}), 1.2)  # a1 placed again, on w1
+    assert (ws0.inflight, ws1.inflight) == (1, 1)
+    p.tick(20.0)  # a2 and a1's second placement leave the window unfinished
+    assert (ws0.inflight, ws1.inflight) == (0, 0)
+
+
+def test_interference_can_count_what_was_routed_since_the_last_report() -> None:
+    """A report says nothing runs on w0, but three requests went there since: priced by
+    the reports, w0 and w1 are alike; by the requests in flight, w0 is the dearer."""
+    from prefixmesh.shared.wire import LoadReportEvent
+
+    costs = {}
+    for by_inflight in (False, True):
+        p = make(2, PolicyConfig(interference_weight=0.5, prefill_backlog_weight=0.0,
+                                 interference_inflight=by_inflight))
+        for w in ("w0", "w1"):
+            p.on_load(LoadReportEvent(worker_id=w, ts=0.0, running=0), 0.0)
+        for i in range(3):
+            p.route(req(f"s{i}", toks(i, 1), exclude={"w1"}), 0.01)
+        p.price.now = 0.02
+        ws0, ws1 = p.worker_state("w0"), p.worker_state("w1")
+        costs[by_inflight] = (p.price.cost(ws0, 0, 4000) - p.price.load(ws0),
+                              p.price.cost(ws1, 0, 4000) - p.price.load(ws1))
+    # Load terms (and backlog, off) aside: equal by the reports; by the count, w0 is
+    # P x (1 + 0.5 x 3).
+    assert costs[False][0] == pytest.approx(costs[False][1], rel=0.05)
+    assert costs[True][0] == pytest.approx(2.5 * costs[True][1], rel=0.05)

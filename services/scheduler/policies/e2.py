@@ -73,6 +73,7 @@ class E2Policy:
         self.price = LoadCost(self.tree, self.tables)
         self.price.backlog_weight = config.prefill_backlog_weight
         self.price.interference = config.interference_weight
+        self.price.by_inflight = config.interference_inflight
         self.price.wait_window = config.window_s if config.load_wait else 0.0
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s

@@ -47,8 +47,10 @@ class LoadCost:
         # Prefill backlog term: weight x (worker's busy_until - now) when positive.
         self.backlog_weight = 0.0
         self.now = 0.0
-        # Interference term: weight x P x the worker's running sequences.
+        # Interference term: weight x P x the worker's running sequences (its report's, or
+        # with ``by_inflight`` its requests routed and not done).
         self.interference = 0.0
+        self.by_inflight = False
         # Load term: the queueing delay ``L`` implies (window ``H`` seconds), or 0: ``L``.
         self.wait_window = 0.0
 
@@ -79,7 +81,7 @@ class LoadCost:
         missing = prompt - cached_blocks * self.block
         p = (ws.tables or self.tables).pt(missing)
         if self.interference:
-            p += self.interference * p * ws.running
+            p += self.interference * p * (ws.inflight if self.by_inflight else ws.running)
         c = self.load(ws) + ws.step_s * self.out + p + self.evict_cost(ws, missing)
         if self.backlog_weight and ws.busy_until > self.now:
             c += self.backlog_weight * (ws.busy_until - self.now)
@@ -127,6 +129,7 @@ class LoadCost:
         out = self.out
         bw, now = self.backlog_weight, self.now
         iw = self.interference
+        by_inflight = self.by_inflight
         load = self.load
         for ws, got in zip(workers, cached):
             tables = ws.tables or default
@@ -134,7 +137,7 @@ class LoadCost:
             if p is None:
                 p = p_of[tables, got] = tables.pt(prompt - got * block)
             if iw:
-                p += iw * p * ws.running
+                p += iw * p * (ws.inflight if by_inflight else ws.running)
             if bw and ws.busy_until > now:
                 p += bw * (ws.busy_until - now)
             bounds.append(load(ws) + ws.step_s * out + p)

@@ -87,6 +87,7 @@ class WorkerState:
         "avg_queue_s",
         "busy_until",
         "running",
+        "inflight",
         "queue",
         "alive",
         "profile",
@@ -121,6 +122,8 @@ class WorkerState:
         self.busy_until = 0.0
         # Sequences in the worker's running batch by its latest load report.
         self.running = 0
+        # Requests routed here and not done yet (the window's own count: no report lag).
+        self.inflight = 0
         self.queue = QueueTrend()
         # False once the worker left (its requests may still sit in the window).
         self.alive = True
@@ -143,6 +146,8 @@ class WindowEntry(msgspec.Struct, gc=False):
     # DT per output token (s) and the output length charged (tokens), to correct on done.
     dt_tok: float
     out_est: float
+    # Counted in its worker's ``inflight`` (routed here, not restored from a snapshot).
+    counted: bool = False
 
 
 class LoadWindow:
@@ -162,6 +167,29 @@ class LoadWindow:
         # Incremental persistence (None: off): entries added or corrected and completions
         # (time, output tokens) recorded since the last ``take_journal``.
         self.journal: list[WindowEntry | tuple[float, int]] | None = None
+
+    def track(self, e: WindowEntry, in_flight: bool = True) -> None:
+        """``e``'s request awaits its completion record until done or out of the window (one
+        entry per request id: a later one, a request placed again, replaces it), counted
+        in its worker's ``inflight`` meanwhile. ``in_flight`` False: an entry restored from
+        a snapshot, which does not say whether it is done; kept, not counted."""
+        prior = self.by_rid.get(e.rid)
+        if prior is not None and prior.counted:
+            prior.ws.inflight -= 1
+        self.by_rid[e.rid] = e
+        if in_flight:
+            e.counted = True
+            e.ws.inflight += 1
+
+    def _untrack(self, rid: str, e: WindowEntry | None = None) -> WindowEntry | None:
+        """Stop tracking ``rid`` (only if its entry is ``e``, when given); its entry."""
+        tracked = self.by_rid.get(rid)
+        if tracked is None or (e is not None and tracked is not e):
+            return None
+        del self.by_rid[rid]
+        if tracked.counted:
+            tracked.ws.inflight -= 1
+        return tracked
 
     def take_journal(self) -> list[WindowEntry | tuple[float, int]]:
         """What changed since the last call (O(1)); starts tracking if it was off."""
@@ -185,7 +213,7 @@ class LoadWindow:
         e = WindowEntry(now, ws, cost, leaf, rid, dt_tok, out_est)
         self.entries.append(e)
         if rid:
-            self.by_rid[rid] = e
+            self.track(e)
         if self.journal is not None:
             self.journal.append(e)
         ws.L += cost
@@ -200,7 +228,6 @@ class LoadWindow:
         entries = self.entries
         if entries and entries[0].t < cut:
             release = self.tree.release
-            by_rid = self.by_rid
             while entries and entries[0].t < cut:
                 e = entries.popleft()
                 ws = e.ws
@@ -211,8 +238,8 @@ class LoadWindow:
                 if light is not None and ws is not light and ws.alive and ws.L < light.L:
                     self.light = ws
                 release(e.leaf, ws.id)
-                if e.rid and by_rid.get(e.rid) is e:
-                    del by_rid[e.rid]
+                if e.rid:
+                    self._untrack(e.rid, e)
         outputs = self.outputs
         while outputs and outputs[0][0] < cut:
             self.out_sum -= outputs.popleft()[1]
@@ -224,7 +251,7 @@ class LoadWindow:
             self.out_sum += done.completion_tokens
             if self.journal is not None:
                 self.journal.append((now, done.completion_tokens))
-        e = self.by_rid.pop(done.request_id, None)
+        e = self._untrack(done.request_id)
         if e is not None and e.ws.id == done.worker_id and e.ws.n > 0:
             delta = e.dt_tok * (done.completion_tokens - e.out_est)
             e.cost += delta

@@ -146,7 +146,7 @@ def load(parts: E2Parts, data: bytes) -> None:
         e = WindowEntry(er.t, ws, er.cost, leaf, er.rid, er.dt_tok, er.out_est)
         window.entries.append(e)
         if er.rid:
-            window.by_rid[er.rid] = e
+            window.track(e, in_flight=False)
         ws.L += er.cost
         ws.n += 1
     window.outputs.clear()
@@ -290,7 +290,7 @@ def load_incremental(
     for e in entries:
         window.entries.append(e)
         if e.rid:
-            window.by_rid[e.rid] = e
+            window.track(e, in_flight=False)
         e.ws.L += e.cost
         e.ws.n += 1
     outputs.sort()
