@@ -73,7 +73,9 @@ def test_edges_sharing_one_port_each_take_connections(tmp_path, nats_server,
             req = urllib.request.Request(mesh.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as resp:
-                assert json.loads(resp.read())["choices"][0]["finish_reason"] == "length"
+                # A simulated reply may end early, on its sampled length: "stop".
+                assert json.loads(resp.read())["choices"][0]["finish_reason"] in ("length",
+                                                                                  "stop")
         scrape = mesh.scrape_urls()
         served = [_served(scrape[name]) for name in ("edge", "edge-1")]
         # Both take a share (each of 24 connections lands on either; all on one edge has

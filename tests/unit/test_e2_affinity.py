@@ -190,6 +190,28 @@ def test_prefill_backlog_prefers_the_worker_whose_prefill_is_behind_it() -> None
             assert costs[new] == pytest.approx(costs[old])
 
 
+def test_backlog_exploit_moves_a_hit_off_a_worker_busy_with_a_long_cold_prefill() -> None:
+    """A short prompt whose 40-block prefix sits on w0 only, just after a 2,000-block cold
+    prompt went there: off (the default) it waits behind that prefill; with
+    ``backlog_exploit`` the wait outweighs the 40 blocks it saves, and it goes elsewhere."""
+    prefix = toks(7, 40)
+    for factor in (0.0, 1.0):
+        p = make(2, PolicyConfig(backlog_exploit=factor, imbalance_ratio=1.1))
+        home = p.route(req("a", prefix, toks(8, 1)), 0.0).worker_id
+        p.route(req("doc", toks(9, 2000), exclude={w for w in p.workers if w != home}), 0.1)
+        assert p.worker_state(home).busy_until > 0.2
+        d = p.route(req("b", prefix, toks(10, 1)), 0.2)
+        if factor:
+            assert (d.kind, d.matched_tokens) == ("rebalance", 0)
+            assert d.worker_id != home
+        else:
+            assert (d.worker_id, d.kind) == (home, "exploit")
+        # Once the backlog is done, the next one is a plain hit again (the prefix is on
+        # both workers by now with the knob on: the cheaper of them).
+        later = p.route(req("c", prefix, toks(11, 1)), 100.0)
+        assert later.kind == "exploit" and later.matched_tokens == 40 * BLOCK_SIZE
+
+
 # --------------------------------------------------------------------------- P/D balancing
 
 

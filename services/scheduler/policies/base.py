@@ -73,6 +73,10 @@ class PolicyConfig:
     # ... and only when that worker is busy at all: L / H above this (estimated fraction of
     # its GPU time in the window). Below it nothing queues and a move only costs a prefill.
     rebalance_min_util: float = 0.05
+    # An exploit whose worker's prefill backlog (prefills routed there and not yet done,
+    # back to back) is longer than this multiple of the prefill the hit saves goes to the
+    # cheapest worker by the full cost instead, when that is cheaper ("rebalance"). 0 = off.
+    backlog_exploit: float = 0.0
     # Running batch assumed when pricing one more decoding sequence (sequences): DT is the
     # marginal cost of a sequence in a continuously batched step, not a lone decode step.
     dt_batch_size: int = 32

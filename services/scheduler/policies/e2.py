@@ -80,6 +80,7 @@ class E2Policy:
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
         self._th_bal = config.th_bal
         self._rebalance = math.isfinite(config.th_bal)  # th_bal = inf turns rebalancing off
+        self._backlog_exploit = config.backlog_exploit
         self._pd_ratio = config.pd_max_cost_ratio
         self._default_out = float(config.default_output_tokens)
         self._affinity = config.affinity_prefill_slack
@@ -324,6 +325,19 @@ class E2Policy:
             else:
                 i, best_cost = self.price.cheapest(cands, [depth] * len(cands), prompt)
                 best = cands[i]
+        # A hit behind a queue of prefills longer than the one it saves may not pay: then
+        # the cheapest worker by the full cost gets it, if cheaper (a long cold prefill
+        # just sent to the worker holding a popular prefix would hold its hits for seconds).
+        if self._backlog_exploit and best.busy_until - self.price.now > self._backlog_exploit * (
+                best.tables or self.price.tables).pt(depth * self.block):
+            if best_cost < 0:
+                best_cost = self.price.cost(best, depth, prompt)
+            depths = self.tree.cached_depths(node, m)
+            everyone = list(workers.values())
+            i, cost = self.price.cheapest(everyone, [depths.get(w.id, 0) for w in everyone],
+                                          prompt)
+            if cost < best_cost:
+                return everyone[i], "rebalance", depths.get(everyone[i].id, 0)
         # Rebalance: direct a heavy worker's exploit traffic to the lightest worker while
         # that is cheaper even counting the prefill it has to do (the gap closes as L moves).
         if not self._rebalance:
