@@ -107,8 +107,8 @@ class PolicyConfig:
     # (docs/sim-results.md: placement suite).
     load_wait: bool = True
     # Interference in the load cost: + this x P(R's missed tokens) x the worker's running
-    # sequences (latest load report): under chunked prefill R's prefill delays each of
-    # them by about P (docs/sim-results.md: loogle, programming). 0 turns it off.
+    # sequences (see interference_inflight): under chunked prefill R's prefill delays each
+    # of them by about P (docs/sim-results.md: loogle, programming). 0 turns it off.
     interference_weight: float = 0.5
     # What "running sequences" counts in that term: True, the requests routed there and
     # not done yet (the policy's own count, queued ones too: they wait behind R's prefill
