@@ -54,7 +54,6 @@ from pathlib import Path
 
 import aiohttp
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixmesh.loadgen.guidellm_client import run_guidellm
 from prefixmesh.loadgen.options import (
@@ -64,6 +63,7 @@ from prefixmesh.loadgen.options import (
     parse_names,
 )
 from prefixmesh.loadgen.report import markdown, plot
+from prefixmesh.loadgen.soak import metric_sum, scrape
 from prefixmesh.services.up import LocalMesh, MeshOptions
 from prefixmesh.shared.costmodel import parse_gpu_profiles
 from prefixmesh.shared.models import sim_card
@@ -241,21 +241,11 @@ class WorkerGroup:
         """Sums and counts, over every worker so far, of the seconds from a request's
         arrival to its last token (``latency``) and from its edge to its arrival
         (``arrival``: requests that came over the mesh only), from their /metrics."""
-        wanted = {"prefixmesh_worker_request_latency_seconds": "latency",
-                  "prefixmesh_worker_arrival_delay_seconds": "arrival"}
-        out = dict.fromkeys(("latency_sum", "latency_count", "arrival_sum",
-                             "arrival_count"), 0.0)
-        for url in self.metrics_urls:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                text = resp.read().decode()
-            for family in text_string_to_metric_families(text):
-                if family.name not in wanted:
-                    continue
-                for sample in family.samples:
-                    kind = sample.name.removeprefix(family.name)  # _sum, _count, _bucket
-                    if kind in ("_sum", "_count"):
-                        out[wanted[family.name] + kind] += sample.value
-        return out
+        metrics = {"latency": "prefixmesh_worker_request_latency_seconds",
+                   "arrival": "prefixmesh_worker_arrival_delay_seconds"}
+        texts = [scrape(url) for url in self.metrics_urls]
+        return {f"{key}{part}": sum(metric_sum(t, name + part) or 0.0 for t in texts)
+                for key, name in metrics.items() for part in ("_sum", "_count")}
 
     def step_lag(self) -> dict[str, float]:
         """The workers' step lag since the last flush: the worst lag ratio and step lag."""

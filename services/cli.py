@@ -42,7 +42,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if opts.port:
         from prefixmesh.shared.runtime.servers import port_open
 
-        ports = 1 if opts.shared_port else opts.edges
+        ports = opts.edge_ports
         taken = [opts.port + i for i in range(ports) if port_open(opts.host, opts.port + i)]
         if taken:
             need = (f"port {opts.port}" if ports == 1

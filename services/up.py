@@ -112,6 +112,11 @@ class MeshOptions:
     # Extra PM_* environment for every service (e.g. {"PM_PREDICT": "1"}).
     extra_env: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
 
+    @property
+    def edge_ports(self) -> int:
+        """Ports the edges listen on from ``port``: one each, or one they share."""
+        return 1 if self.shared_port else self.edges
+
     def service_env(self) -> dict[str, str]:
         """PM_* settings every service gets: ``extra_env`` and what the predictor and probe
         options mean for the service that reads them."""
@@ -143,7 +148,7 @@ class LocalMesh:
         self.nats_cluster: NatsCluster | None = None
         self.redis_url = opts.redis_url
         if opts.port == 0:
-            opts.port = free_port() if opts.shared_port else free_ports(opts.edges)
+            opts.port = free_ports(opts.edge_ports)
         if opts.metrics_port == 0:
             opts.metrics_port = free_port()
         # One profile per own worker; a mixed fleet serves one model name (the first
@@ -160,8 +165,8 @@ class LocalMesh:
     @property
     def edge_urls(self) -> list[str]:
         """Every edge's URL (consecutive ports from ``--port``), or the one they share."""
-        ports = 1 if self.opts.shared_port else self.opts.edges
-        return [f"http://{self.opts.host}:{self.opts.port + i}" for i in range(ports)]
+        return [f"http://{self.opts.host}:{self.opts.port + i}"
+                for i in range(self.opts.edge_ports)]
 
     @property
     def metrics_url(self) -> str:
