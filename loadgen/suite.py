@@ -33,7 +33,8 @@ Printed per configuration and load (means over the seeds): E2's average and p99 
 best other policy's (< 1: E2 ahead), E2 over ``cache_aware``, and every policy's distance
 from ``ideal``. The JSON (``results/suite-NAME.json`` by default) holds every run and
 that summary. ``family`` is the whole family (864 runs: 289-603 s of CPU, one core,
-docs/sim-results.md); ``quick`` a three-configuration sample.
+docs/sim-results.md); ``mixed`` its multi-turn and cache-pressure configurations on its
+H100 + A6000 fleet; ``quick`` a three-configuration sample.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class SuiteConfig:
         return parse_gpu_profiles(self.gpu_profiles) if self.gpu_profiles else ()
 
 
+# A fleet of two GPU generations: two H100s beside two A6000s.
+MIXED_FLEET = "mistral-7b-h100:2,mistral-7b-a6000:2"
+
+
 def _mix(share: float) -> str:
     return f"loogle:{share:g},toolbench:{1 - share:g}"
 
@@ -99,8 +104,7 @@ FAMILY = (
     SuiteConfig("doc0.5-8gpu-azconv", _mix(0.5), 8, "azure-conv"),
     SuiteConfig("doc0.1-8gpu-azcode", _mix(0.1), 8, "azure-code"),
     SuiteConfig("doc0.3-16gpu-poisson", _mix(0.3), 16, "poisson"),
-    SuiteConfig("hetero-h100+a6000-doc0.3", _mix(0.3), 4, "poisson",
-                gpu_profiles="mistral-7b-h100:2,mistral-7b-a6000:2"),
+    SuiteConfig("hetero-h100+a6000-doc0.3", _mix(0.3), 4, "poisson", gpu_profiles=MIXED_FLEET),
     SuiteConfig("hetero-a100+a6000-toolbench", "toolbench", 4, "azure-conv",
                 gpu_profiles="mistral-7b-a100:2,mistral-7b-a6000:2"),
     SuiteConfig("multiturn-4gpu", "multiturn", 4, "poisson"),
@@ -108,8 +112,17 @@ FAMILY = (
     SuiteConfig("pressure3-multiturn", "multiturn", 4, "poisson", cache_pressure=3.0),
     SuiteConfig("lowshare-4gpu", "lowshare", 4, "poisson"),
 )
+# The family's multi-turn and cache-pressure configurations on its H100 + A6000 fleet.
+MIXED = (
+    SuiteConfig("mixed-multiturn", "multiturn", 4, "poisson", gpu_profiles=MIXED_FLEET),
+    SuiteConfig("mixed-pressure3-toolbench", "toolbench", 4, "poisson",
+                gpu_profiles=MIXED_FLEET, cache_pressure=3.0),
+    SuiteConfig("mixed-pressure3-multiturn", "multiturn", 4, "poisson",
+                gpu_profiles=MIXED_FLEET, cache_pressure=3.0),
+)
 SUITES: dict[str, tuple[SuiteConfig, ...]] = {
     "family": FAMILY,
+    "mixed": MIXED,
     "quick": (FAMILY[1], FAMILY[6], FAMILY[8]),
 }
 

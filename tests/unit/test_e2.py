@@ -143,6 +143,19 @@ def test_decode_heavy_worker_receives_the_next_cold_request():
     assert p.route(req("r4", toks(5, 40)), 50.1).kind == "explore"
 
 
+
+@pytest.mark.parametrize("needs_room, kind", [(True, "explore"), (False, "pd_balance")])
+def test_a_decode_heavy_worker_with_a_queue_takes_no_cold_request_when_it_needs_room(
+        needs_room, kind):
+    p = make(3, PolicyConfig(pd_needs_room=needs_room))
+    # Decode-dominated but with requests waiting (its KV full): no spare prefill capacity.
+    p.on_load(LoadReportEvent(worker_id="w2", ts=1.0, decode_share=0.9, waiting=3), 1.0)
+    assert p.route(req("r1", toks(2, 40)), 1.1).kind == kind
+    # Once its queue is gone it is a target again either way.
+    p.on_load(LoadReportEvent(worker_id="w2", ts=2.0, decode_share=0.9), 2.0)
+    d = p.route(req("r2", toks(3, 40)), 2.1)
+    assert (d.worker_id, d.kind) == ("w2", "pd_balance")
+
 # --------------------------------------------------------------------------- load cost
 
 

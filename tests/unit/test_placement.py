@@ -317,3 +317,26 @@ def test_suite_runs_every_load_of_a_pressured_configuration_on_one_fleet(
     assert len(rows) == len(suite.LOADS) * len(suite.POLICIES)
     assert all(r["num_blocks"] == want and r["cache_pressure"] == 3.0 for r in rows)
     assert pools and set(pools) == {want}
+
+
+def test_the_mixed_suite_runs_every_policy_on_the_mixed_fleet(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from prefixmesh.loadgen import suite
+    from prefixmesh.loadgen.suite import MIXED_FLEET, main
+
+    monkeypatch.setattr(suite, "PROBE_REQUESTS", 40)  # short probes: seconds, not minutes
+    monkeypatch.setattr(suite, "PROBE_S", 5.0)
+    out = tmp_path / "mixed.json"
+    assert main(["--suite", "mixed", "--only", "mixed-multiturn", "--seeds", "0",
+                 "--requests", "40", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [c["name"] for c in got["configs"]] == ["mixed-multiturn"]
+    assert {r["gpu_profiles"] for r in got["runs"]} == {MIXED_FLEET}
+    e2 = [r for r in got["runs"] if r["policy"] == "e2"]
+    # E2 prices each GPU by its own profile: the two H100s (the first two workers) take
+    # more of the requests than the two A6000s at every load.
+    for r in e2:
+        counts = sorted(r["worker_requests"].items())
+        assert sum(c for _, c in counts[:2]) > sum(c for _, c in counts[2:]), counts

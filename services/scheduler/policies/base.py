@@ -65,6 +65,11 @@ class PolicyConfig:
     # load cost is at most this multiple of the best worker's (a stale report must not
     # override a clearly better choice).
     pd_max_cost_ratio: float = 2.0
+    # ... and only onto a worker whose latest report shows no request waiting: a queue
+    # there (under cache pressure, requests waiting for KV memory) means it has no spare
+    # capacity for a prefill (docs/sim-results.md, placement suite: multiturn under
+    # cache pressure).
+    pd_needs_room: bool = True
     # Load reports older than this are ignored (seconds; workers report every 0.25 s).
     load_report_stale_s: float = 2.0
     # Th_bal: rebalance when the exploit worker's L exceeds this multiple of the lightest's

@@ -521,7 +521,8 @@ class E2Policy:
         ws.running = report.running
         if report.profile != ws.profile:
             self._set_profile(ws, report.profile)
-        if report.decode_share > self.cfg.imbalance_ratio:
+        if report.decode_share > self.cfg.imbalance_ratio and not (
+                self.cfg.pd_needs_room and report.waiting):
             self._decode_heavy.add(ws.id)
         else:
             self._decode_heavy.discard(ws.id)
