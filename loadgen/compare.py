@@ -55,6 +55,7 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
+from prefixmesh.loadgen.cluster_sim import pressure_blocks
 from prefixmesh.loadgen.guidellm_client import run_guidellm
 from prefixmesh.loadgen.options import (
     WorkloadSpec,
@@ -188,7 +189,7 @@ class WorkerGroup:
 
     def __init__(self, n: int, local_policy: str, profile: str, nats_url: str,
                  subject_prefix: str, log_dir: Path, time_scale: float = 1.0,
-                 profiles: Sequence[str] = ()) -> None:
+                 profiles: Sequence[str] = (), kv_blocks: int = 0) -> None:
         self.procs: list[ManagedProcess] = []
         self.urls: list[str] = []
         self.metrics_urls: list[str] = []  # each worker's Prometheus /metrics
@@ -199,6 +200,8 @@ class WorkerGroup:
         self.model_args = (["--model", sim_card(self.profiles[0]).name]
                            if len(set(self.profiles)) > 1 else [])
         self.time_scale = time_scale
+        # Each worker's KV pool in blocks (0: its profile's); a cache-pressure run sets it.
+        self.kv_args = ["--sim-kv-blocks", str(kv_blocks)] if kv_blocks else []
         self.nats_url, self.subject_prefix, self.log_dir = nats_url, subject_prefix, log_dir
 
     def __enter__(self) -> WorkerGroup:
@@ -211,7 +214,7 @@ class WorkerGroup:
                         "--worker-id", f"w{i}", "--backend", "sim",
                         "--profile", self.profiles[i], *self.model_args,
                         "--local-policy", self.local_policy, "--log-level", "WARNING",
-                        "--time-scale", str(self.time_scale)]
+                        "--time-scale", str(self.time_scale), *self.kv_args]
                 name = f"worker-{self.local_policy}-{i}"
                 self.procs.append(ManagedProcess(name, argv, env=child_env(
                     PYTHONUNBUFFERED="1"), log_path=self.log_dir / f"{name}.log").start())
@@ -402,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-profiles", default="",
                    help="a fleet mixing GPU types: PROFILE:COUNT,... one profile per worker "
                    "(overrides --workers; prefixmesh's scheduler keeps --profile as default)")
+    p.add_argument("--cache-pressure", type=float, default=0.0,
+                   help="P > 0: size every worker's KV pool so the working set of the "
+                   "heaviest point's requests is P times the fleet's cache (as `prefixmesh "
+                   "sim --cache-pressure`; 2-4 is a cache-pressure test)")
     p.add_argument("--nats-url", default="", help="NATS to use (default: start one)")
     p.add_argument("--redis-url", default="", help="Redis to use (default: start one)")
     p.add_argument("--no-probe", action="store_true", help="skip the overhead probe")
@@ -438,6 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec_parser = argparse.ArgumentParser()
     add_workload_args(spec_parser)
     spec = WorkloadSpec.from_args(spec_parser.parse_args(workload_argv))
+    kv_blocks = 0
+    if args.cache_pressure < 0:
+        raise SystemExit("--cache-pressure must not be negative (0 = the profiles' pools)")
+    if args.cache_pressure > 0:  # the heaviest point's requests, as its bench sends them
+        heaviest = spec.requests(max(1, round(max(rates) * args.duration)))
+        kv_blocks = pressure_blocks(heaviest, args.workers, args.cache_pressure)
     contenders = [Contender.parse(n) for n in parse_names(args.contenders)]
     missing = {c.name: why for c in contenders if (why := available(c))}
     if missing and not args.skip_missing:
@@ -452,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "prefixmesh compare " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "left_out": missing, "failures": [],
         "gpu_profiles": list(profiles),
+        "cache_pressure": args.cache_pressure, "kv_blocks": kv_blocks,
         "time_scale": args.time_scale, "clients": clients,
         "guidellm": guidellm_version(args.guidellm) if "guidellm" in clients else "",
         "times": "model" if args.time_scale != 1.0 else "wall",
@@ -472,7 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         serial = 0
         for local, group_contenders in by_local.items():
             with WorkerGroup(args.workers, local, args.profile, infra["nats"],
-                             f"cmp{local}", log_dir, args.time_scale, profiles) as group:
+                             f"cmp{local}", log_dir, args.time_scale, profiles,
+                             kv_blocks) as group:
                 model = _model_id(group.urls[0])
                 for ri, rate in enumerate(rates):
                     k = ri % len(group_contenders)

@@ -52,6 +52,9 @@ class WorkerConfig(CommonConfig):
         1.0, "sim: wall seconds per modelled second; K > 1 runs the simulated GPU K times "
         "slower than the modelled hardware (every step lasts K x its modelled time) while the "
         "engine's own times stay in model seconds (engine/pacing.py)")
+    sim_kv_blocks: int = option(0, "sim: KV pool in 16-token blocks (0 = the profile's KV "
+                                "capacity); a smaller pool puts the prefix cache under "
+                                "pressure (prefixmesh compare --cache-pressure)")
     kv_blocks: int = option(DEFAULT_KV_BLOCKS, "hf: prefix-cache pool in 16-token blocks "
                             "(SmolLM2-135M: 737 KB each; 1024 = 16k tokens)")
     hybrid_chunk_tokens: int = option(

@@ -55,8 +55,11 @@ def test_compare_runner_smoke(nats_server: str, redis_server: str, tmp_path: Pat
     out = tmp_path / "cmp.json"
     main(["--workers", "2", "--workload", "toolbench", "--rates", "2", "--duration", "3",
           "--contenders", "prefixmesh-round_robin,sglang-round_robin", "--nats-url",
-          nats_server, "--redis-url", redis_server, "--json", str(out)])
+          nats_server, "--redis-url", redis_server, "--cache-pressure", "3",
+          "--json", str(out)])
     result = json.loads(out.read_text())
+    # The workers ran on a pool sized for the pressure (their --sim-kv-blocks).
+    assert result["meta"]["cache_pressure"] == 3.0 and result["meta"]["kv_blocks"] > 0
     rows = {r["policy"]: r for r in result["runs"]}
     assert set(rows) == {"prefixmesh-round_robin", "sglang-round_robin"}
     assert all(r["completed"] == r["requests"] > 0 for r in rows.values())

@@ -66,6 +66,33 @@ async def test_info_routes(http) -> None:
     assert load["load"] == 0 and load["num_waiting_reqs"] == 0
 
 
+async def test_a_sim_worker_runs_on_the_kv_pool_it_is_given() -> None:
+    port = free_port()
+    cfg = WorkerConfig(mesh=False, http_port=port, worker_id="h1", local_policy="fcfs",
+                       sim_kv_blocks=20)
+    async with running(WorkerService(cfg, serve_http)) as worker:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+            async with s.get("/server_info") as r:
+                assert (await r.json())["max_total_num_tokens"] == 20 * 16
+            # A 310-token prompt and its token take all 20 blocks: the second prompt
+            # evicts the first, which then misses.
+            first, second = list(range(1000, 1310)), list(range(2000, 2310))
+            cached = []
+            for prompt in (first, second, first):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                async with s.post("/v1/completions", json=body) as r:
+                    usage = (await r.json())["usage"]
+                cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+            assert cached == [0, 0, 0]
+            async with s.post("/v1/completions", json=body) as r:  # ``first`` again, cached
+                assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert worker.engine.num_blocks == 20
+    with pytest.raises(ValueError, match="sim_kv_blocks"):
+        async with running(WorkerService(WorkerConfig(mesh=False, sim_kv_blocks=-1),
+                                         serve_http)):
+            pass
+
+
 async def test_completion_token_ids_and_text(http) -> None:
     s, _ = http
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}

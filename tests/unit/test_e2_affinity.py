@@ -288,7 +288,7 @@ def test_interference_can_count_what_was_routed_since_the_last_report() -> None:
     costs = {}
     for by_inflight in (False, True):
         p = make(2, PolicyConfig(interference_weight=0.5, prefill_backlog_weight=0.0,
-                                 interference_inflight=by_inflight))
+                                 gpu_step_weight=0.0, interference_inflight=by_inflight))
         for w in ("w0", "w1"):
             p.on_load(LoadReportEvent(worker_id=w, ts=0.0, running=0), 0.0)
         for i in range(3):
@@ -297,7 +297,7 @@ def test_interference_can_count_what_was_routed_since_the_last_report() -> None:
         ws0, ws1 = p.worker_state("w0"), p.worker_state("w1")
         costs[by_inflight] = (p.price.cost(ws0, 0, 4000) - p.price.load(ws0),
                               p.price.cost(ws1, 0, 4000) - p.price.load(ws1))
-    # Load terms (and backlog, off) aside: equal by the reports; by the count, w0 is
-    # P x (1 + 0.5 x 3).
+    # Load terms (and backlog and the GPU's step, off) aside: equal by the reports; by
+    # the count, w0 is P x (1 + 0.5 x 3).
     assert costs[False][0] == pytest.approx(costs[False][1], rel=0.05)
     assert costs[True][0] == pytest.approx(2.5 * costs[True][1], rel=0.05)

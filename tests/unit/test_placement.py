@@ -52,6 +52,46 @@ def test_e2_prices_each_worker_by_the_profile_it_reports():
     assert p.worker_state("w1").tables is None
 
 
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_e2_step_term_prices_an_idle_worker_at_its_gpus_lone_decode_step(weight):
+    from prefixmesh.services.scheduler.policies.base import PolicyConfig
+
+    p = e2_policy(2, PolicyConfig(decode_step_weight=weight, gpu_step_weight=0.0))
+    # Both idle (no step in the window): the A6000 still decodes each token 4x slower.
+    p.on_load(_report("w0", "mistral-7b-a6000"), 0.0)
+    p.on_load(LoadReportEvent(worker_id="w1", ts=0.0, profile="mistral-7b-h100",
+                              avg_step_s=0.002), 0.0)
+    a6000, h100 = (CostModel.load(f"mistral-7b-{g}") for g in ("a6000", "h100"))
+    assert p.worker_state("w0").step_s == pytest.approx(weight * a6000.decode_time(0))
+    assert p.worker_state("w1").step_s == pytest.approx(weight * h100.decode_time(0))
+    # A long reply costs its decode steps on the GPU it would run on.
+    req = route_input("r", toks(1, 200), max_tokens=500)
+    costs = p.costs(req, 0.0)
+    gap = costs["w0"] - costs["w1"]
+    p_gap = p.explain(req, 0.0)["w0"][2] - p.explain(req, 0.0)["w1"][2]
+    if weight:  # at least one token's worth of the two GPUs' step difference more
+        assert gap > p_gap + weight * (a6000.decode_time(0) - h100.decode_time(0))
+    else:
+        assert gap == pytest.approx(p_gap)
+
+
+def test_e2_gpu_step_term_is_the_gpus_own_decode_speed_not_its_report():
+    from prefixmesh.services.scheduler.policies.base import PolicyConfig
+
+    p = e2_policy(2, PolicyConfig(gpu_step_weight=0.5))
+    a6000, h100 = (CostModel.load(f"mistral-7b-{g}") for g in ("a6000", "h100"))
+    # Before any report, a worker is priced as the policy's own GPU (the A6000).
+    assert p.worker_state("w0").step_s == pytest.approx(0.5 * a6000.decode_time(0))
+    for step in (0.0, 0.2):  # whatever step the worker reports
+        p.on_load(LoadReportEvent(worker_id="w1", ts=0.0, profile="mistral-7b-h100",
+                                  avg_step_s=step), 0.0)
+        assert p.worker_state("w1").step_s == pytest.approx(0.5 * h100.decode_time(0))
+    req = route_input("r", toks(1, 200), max_tokens=400)
+    costs, terms = p.costs(req, 0.0), p.explain(req, 0.0)
+    assert (costs["w0"] - costs["w1"] > terms["w0"][2] - terms["w1"][2]
+            + 0.5 * (a6000.decode_time(0) - h100.decode_time(0)))
+
+
 def test_e2_keeps_its_own_profile_for_an_unknown_one():
     p = e2_policy(1)
     p.on_load(_report("w0", "no-such-gpu"), 0.0)

@@ -92,7 +92,13 @@ class PolicyConfig:
     # marginal cost of one sequence in a batch, so a worker busy with long generations
     # looks cheap although every token of R would wait one of its long steps. Off (0) by
     # default: the step time in a 0.25 s report is too noisy to steer short requests by.
+    # An idle worker's step counts as its GPU's lone decode step, not as zero.
     decode_step_weight: float = 0.0
+    # The GPU's own decode speed in the load cost: + this x (R's expected output tokens) x
+    # the lone decode step of the worker's profile. A constant in a fleet of one GPU type;
+    # in a mixed fleet, what each output token of R takes on that GPU, which L (GPU work,
+    # not latency) does not say (docs/sim-results.md, placement suite: the mixed fleets).
+    gpu_step_weight: float = 0.5
     # In-flight aging: a request still running after producing (by the worker's reported
     # step time) more tokens than L charged it is recharged at this multiple of what it
     # has produced, on every tick; 0 turns it off. L otherwise sees a long generation

@@ -25,12 +25,14 @@ DT_BUCKET_TOKENS = 1024
 class CostTables:
     """PT (prefill seconds) and DT (marginal decode seconds per output token)."""
 
-    __slots__ = ("cost", "batch", "block", "_pt", "_chunks", "_dt", "_dt_edges")
+    __slots__ = ("cost", "batch", "block", "lone_step", "_pt", "_chunks", "_dt", "_dt_edges")
 
     def __init__(self, cost: CostModel, dt_batch_size: int) -> None:
         self.cost = cost
         self.batch = dt_batch_size
         self.block = cost.block_size
+        # Seconds of a decode step of one short sequence: the least any output token waits.
+        self.lone_step = cost.decode_time(0)
         self._pt: list[float | None] = [0.0]
         # _chunks[q] = seconds of the first q full prefill chunks.
         self._chunks: list[float] = [0.0]

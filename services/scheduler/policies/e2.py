@@ -86,6 +86,7 @@ class E2Policy:
         self._affinity = config.affinity_prefill_slack
         self._affinity_sat = config.affinity_saturated_ratio
         self._step_weight = config.decode_step_weight
+        self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
         # Cost tables per profile named in load reports (a fleet mixing GPU types).
         self._profile_tables: dict[str, CostTables] = {cost.name: self.tables}
@@ -107,7 +108,8 @@ class E2Policy:
         cap = capacity_tokens if capacity_tokens > 0 else self.cost.kv_capacity_tokens
         ws = self._ws.get(worker_id)
         if ws is None:
-            self._ws[worker_id] = WorkerState(worker_id, cap // self.block)
+            ws = self._ws[worker_id] = WorkerState(worker_id, cap // self.block)
+            self._price_steps(ws, 0.0)
             self.window.light = None
             self.tree.add_worker(worker_id)
         else:
@@ -515,18 +517,28 @@ class E2Policy:
         ws.decode_share = report.decode_share
         ws.report_ts = now
         ws.pd_used = False
-        ws.step_s = self._step_weight * report.avg_step_s
         ws.avg_step_s = report.avg_step_s
         ws.avg_queue_s = report.avg_queue_s
         ws.running = report.running
         if report.profile != ws.profile:
             self._set_profile(ws, report.profile)
+        self._price_steps(ws, report.avg_step_s)
         if report.decode_share > self.cfg.imbalance_ratio and not (
                 self.cfg.pd_needs_room and report.waiting):
             self._decode_heavy.add(ws.id)
         else:
             self._decode_heavy.discard(ws.id)
         ws.queue.add(now, report.avg_queue_s)
+
+    def _price_steps(self, ws: WorkerState, reported_step: float) -> None:
+        """``ws.step_s``: what each output token of a request routed there is priced at
+        (``decode_step_weight`` x its reported mean step, ``gpu_step_weight`` x its GPU's
+        lone decode step). An idle worker reports no step, not a free one: a token waits
+        at least a lone decode step of its GPU."""
+        if self._step_weight or self._gpu_step:
+            lone = (ws.tables or self.tables).lone_step
+            ws.step_s = (self._step_weight * max(reported_step, lone)
+                         + self._gpu_step * lone)
 
     def _set_profile(self, ws: WorkerState, profile: str) -> None:
         """Price ``ws``'s GPU time with ``profile`` (unknown or empty: the policy's own)."""

@@ -17,8 +17,11 @@
 - Per-worker GPU: every term is in seconds of the worker's own GPU, priced with its own
   profile (``WorkerState.tables``, from its load reports), so in a fleet that mixes GPU
   types a fast GPU's ``L`` and ``P`` are smaller for the same work.
-- Decode pressure (added to ``L``; not in Preble's formula): R's expected output tokens
-  x the worker's mean engine step from its load report (``WorkerState.step_s``). ``L``
+- Decode speed and pressure (added to ``L``; not in Preble's formula): R's expected
+  output tokens x ``WorkerState.step_s``: 0.5 x its GPU's lone decode step
+  (``gpu_step_weight``: what a token takes on that GPU, 4x longer on an A6000 than on an
+  H100), plus, when ``decode_step_weight`` is on, the worker's mean engine step from its
+  load report. ``L``
   prices decode as the marginal cost of one more sequence in a batch, which makes a worker
   busy with long generations look cheap; every output token of R will wait one of its
   steps, and those steps are long there (programming: ~4k-token outputs).

@@ -110,8 +110,9 @@ class WorkerState:
         self.report_ts = float("-inf")
         # A cold request was already sent here on the strength of the current report.
         self.pd_used = False
-        # Mean engine step (s) in its latest fresh load report, times decode_step_weight:
-        # what each output token of a request routed there waits (0: no report).
+        # What each output token of a request routed there is priced at (s): its GPU's lone
+        # decode step x gpu_step_weight, plus its reported mean step (at least that lone
+        # step) x decode_step_weight (E2Policy._price_steps; 0 with both weights off).
         self.step_s = 0.0
         # Latest load report's mean engine step and mean queueing time (s), unweighted
         # (in-flight aging: how many tokens a request running there has produced by now).

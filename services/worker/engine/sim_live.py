@@ -52,9 +52,9 @@ class LiveSimEngine(SimEngine):
     detokenizes = False
 
     def __init__(self, cost: CostModel, policy: LocalPolicy, tok: TextTokenizer,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, num_blocks: int | None = None) -> None:
         super().__init__(cost, policy, SimEngineConfig(
-            output_token_pool=tuple(tok.word_token_ids(OUTPUT_POOL_SIZE))))
+            num_blocks=num_blocks, output_token_pool=tuple(tok.word_token_ids(OUTPUT_POOL_SIZE))))
         self.tokenizer: TextTokenizer | None = tok  # Engine's: Optional for other backends
         self._tok = tok
         # The model clock: wall seconds / time_scale (pacing.py).
@@ -165,7 +165,9 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy
     """The sim backend for a worker config (``engine/registry.py``)."""
     loop = asyncio.get_running_loop()
     tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
-    return LiveSimEngine(cost, policy, tok, cfg.time_scale)
+    if cfg.sim_kv_blocks < 0:
+        raise ValueError("sim_kv_blocks must be 0 (the profile's pool) or positive")
+    return LiveSimEngine(cost, policy, tok, cfg.time_scale, cfg.sim_kv_blocks or None)
 
 
 def missing_dependencies() -> str | None:
