@@ -301,6 +301,9 @@ def test_snapshot_restore_round_trip_on_another_clock():
     assert (d1.worker_id, d1.kind, d1.matched_tokens) == (d2.worker_id, d2.kind, d2.matched_tokens)
     for w in p.workers:
         assert q.worker_state(w).n == p.worker_state(w).n
+        # Each output token is priced on the worker's GPU from the start, not from its
+        # first load report.
+        assert q.worker_state(w).step_s == p.worker_state(w).step_s > 0
     # Restored requests await their completion records but do not count as in flight (a
     # snapshot does not say which are done): the count starts again from new decisions.
     assert sum(p.worker_state(w).inflight for w in p.workers) == 7

@@ -603,6 +603,8 @@ class E2Policy:
     def _restored(self, now: float | None) -> None:
         """The state was replaced: its times are rebased on the next call (``now`` None),
         or they already read on ``now``'s clock."""
+        for ws in self._ws.values():  # priced on their GPUs before any load report
+            self._price_steps(ws, 0.0)
         if now is None:
             self._rebase = True
             return
