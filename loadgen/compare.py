@@ -407,8 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(overrides --workers; prefixmesh's scheduler keeps --profile as default)")
     p.add_argument("--cache-pressure", type=float, default=0.0,
                    help="P > 0: size every worker's KV pool so the working set of the "
-                   "heaviest point's requests is P times the fleet's cache (as `prefixmesh "
-                   "sim --cache-pressure`; 2-4 is a cache-pressure test)")
+                   "heaviest point's requests is P times the fleet's cache, one pool for "
+                   "every rate (2-4 is a cache-pressure test; for one rate, the pool "
+                   "`prefixmesh sim --cache-pressure` gives)")
     p.add_argument("--nats-url", default="", help="NATS to use (default: start one)")
     p.add_argument("--redis-url", default="", help="Redis to use (default: start one)")
     p.add_argument("--no-probe", action="store_true", help="skip the overhead probe")

@@ -87,10 +87,17 @@ async def test_a_sim_worker_runs_on_the_kv_pool_it_is_given() -> None:
             async with s.post("/v1/completions", json=body) as r:  # ``first`` again, cached
                 assert (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert worker.engine.num_blocks == 20
-    with pytest.raises(ValueError, match="sim_kv_blocks"):
-        async with running(WorkerService(WorkerConfig(mesh=False, sim_kv_blocks=-1),
-                                         serve_http)):
-            pass
+
+
+def test_a_negative_sim_kv_pool_is_refused_by_name() -> None:
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-m", "prefixmesh.services.cli", "worker",
+                          "--backend", "sim", "--no-mesh", "--http", str(free_port()),
+                          "--sim-kv-blocks", "-1"], capture_output=True, text=True, timeout=60)
+    assert got.returncode != 0
+    assert "--sim-kv-blocks must be at least 0" in got.stderr and "Traceback" not in got.stderr
 
 
 async def test_completion_token_ids_and_text(http) -> None:

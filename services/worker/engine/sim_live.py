@@ -166,7 +166,7 @@ async def open_engine(cfg: WorkerConfig, cost: CostModel, policy: LocalPolicy
     loop = asyncio.get_running_loop()
     tok = await loop.run_in_executor(None, TextTokenizer.load, cfg.tokenizer_path or None)
     if cfg.sim_kv_blocks < 0:
-        raise ValueError("sim_kv_blocks must be 0 (the profile's pool) or positive")
+        raise SystemExit("--sim-kv-blocks must be at least 0 (0: the profile's pool)")
     return LiveSimEngine(cost, policy, tok, cfg.time_scale, cfg.sim_kv_blocks or None)
 
 
