@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -32,6 +33,10 @@ from prefixmesh.shared.subjects import Subjects
 from prefixmesh.shared.wire import encode
 
 log = logging.getLogger(__name__)
+
+# A request server handling a backlog lets the answers it wrote go out at least this often
+# (seconds of handling; ``_answer_each``).
+ANSWER_HOLD_S = 0.001
 
 # The decoded message type: a decoder's type fixes what a handler receives or a request returns.
 T = TypeVar("T")
@@ -258,19 +263,24 @@ class Bus:
                 except Exception as exc:  # connection lost mid-reply: the caller retries
                     log.warning("could not reply on %s: %s", m.subject, exc)
 
-        return await self._subscribed(subject, queue, on_msg)
+        return await self._subscribed(subject, queue, on_msg, answers=True)
 
     async def subscribe_raw(self, subject: str, cb: Callable[[Msg], Awaitable[None]],
                             queue: str = "") -> Subscription:
         """Call ``cb`` with each raw message (for servers that reply later, e.g. in batches)."""
-        return await self._subscribed(subject, queue, cb)
+        return await self._subscribed(subject, queue, cb, answers=True)
 
     async def _subscribed(self, subject: str, queue: str,
-                          cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+                          cb: Callable[[Msg], Awaitable[None]],
+                          answers: bool = False) -> Subscription:
         # The SUB travels on this connection's write buffer; a PING/PONG round trip makes
         # sure the server has it before we return, so a service that reports "ready" right
         # after subscribing never answers another client's request with "no responders".
+        subs: list[Subscription] = []
+        if answers:
+            cb = _answer_each(cb, subs)
         sub = await self.nc.subscribe(subject, queue=queue, cb=cb)
+        subs.append(sub)
         await self.nc.flush()
         return sub
 
@@ -293,6 +303,33 @@ class Bus:
                 await self.nc.close()
             except Exception as exc2:  # NATS gone (e.g. "handler is closed"): nothing to flush
                 log.debug("close failed (%s); connection abandoned", exc2)
+
+
+def _answer_each(cb: Callable[[Msg], Awaitable[None]], sub: list[Subscription]
+                 ) -> Callable[[Msg], Awaitable[None]]:
+    """``cb`` for ``sub[0]``, a subscription that answers its requests, letting the
+    answers written so far go out once handling a backlog has held them ``ANSWER_HOLD_S``.
+
+    nats-py hands a subscription's queued messages to its callback one after another
+    without returning to the event loop, and a publish only queues its bytes for the
+    connection's flusher task, which runs when the loop next turns: the answer to the
+    first of N queued requests would wait until the N-th was handled. Turning the loop
+    after every answer would cost a write per answer where a burst of cheap requests now
+    shares one; after each ``ANSWER_HOLD_S`` of handling, none waits longer than that."""
+    since = [0.0]  # when handling began without a turn of the loop (0: not in a backlog)
+
+    async def each(m: Msg) -> None:
+        began = since[0] or time.perf_counter()
+        await cb(m)
+        if not (sub and sub[0].pending_msgs):
+            since[0] = 0.0  # nothing queued: the subscription's task waits, the loop turns
+        elif time.perf_counter() - began >= ANSWER_HOLD_S:
+            since[0] = 0.0
+            await asyncio.sleep(0)
+        else:
+            since[0] = began
+
+    return each
 
 
 def reply_data(reply: Msg | None, subject: str, timeout: float) -> bytes:

@@ -47,6 +47,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 
+from prefixmesh.services.scheduler.block_index import SHARD_MASK, BlockIndex
 from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -173,7 +174,7 @@ class PrefixTree:
     def _init_state(self) -> None:
         self._dismantle()
         self.root = Node((), 0, None)
-        self._index: dict[int, Node] = {}
+        self._index: BlockIndex[Node] = BlockIndex()
         self._wlru: dict[str, OrderedDict[Node, None]] = {}
         # Blocks each worker caches in this model (public for the routing hot path; read-only).
         self.worker_blocks: dict[str, int] = {}
@@ -514,13 +515,13 @@ class PrefixTree:
         if self._index_q:
             self.flush()
         hit: dict[Node, set[int]] = {}
-        idx = self._index
+        shards = self._index.shards
         # Evictions name long runs of one node's blocks: look each node's caching set up
         # once per run, not once per block.
         last: Node | None = None
         gone: set[int] | None = None
         for h in hashes:
-            node = idx.get(h)
+            node = shards[h & SHARD_MASK].get(h)
             if node is None:
                 continue
             if node is not last:
@@ -627,10 +628,10 @@ class PrefixTree:
         """Point the queued nodes' hashes to them in the index."""
         q, self._index_q = self._index_q, []
         self._index_q_hashes = 0
-        idx = self._index
+        put = self._index.put
         for n in q:
             if n.alive:
-                idx.update(dict.fromkeys(n.hashes, n))
+                put(n.hashes, n)
 
     def flush(self) -> None:
         """Apply queued index updates, then remove unused nodes: no cacher, no request in
@@ -662,9 +663,7 @@ class PrefixTree:
         del parent.children[node.hashes[0]]
         if not parent.children and parent is not self.root:
             heapq.heappush(self._lru, (parent.last_access, parent.nid, parent))
-        pop = self._index.pop
-        for h in node.hashes:
-            pop(h, None)
+        self._index.discard(node.hashes)
         for w in node.workers:
             self._wlru[w].pop(node, None)
             self.worker_blocks[w] -= len(node.hashes)
@@ -773,7 +772,7 @@ class PrefixTree:
             )
             self._next_nid += 1
             parent.children[n.hashes[0]] = n
-            idx.update(dict.fromkeys(n.hashes, n))
+            idx.put(n.hashes, n)
             nodes.append(n)
             self.n_nodes += 1
             self.n_blocks += len(n.hashes)
@@ -858,7 +857,7 @@ class PrefixTree:
             n = Node(r.hashes, r.start, parent, workers=r.workers, counts=r.counts,
                      last_access=r.last_access + offset, nid=r.nid)
             parent.children[r.hashes[0]] = n
-            idx.update(dict.fromkeys(n.hashes, n))
+            idx.put(n.hashes, n)
             by_id[r.nid] = n
             self.n_nodes += 1
             self.n_blocks += len(n.hashes)

@@ -3,6 +3,7 @@ snapshots."""
 
 from __future__ import annotations
 
+from prefixmesh.services.scheduler.block_index import SHARD_MASK, BlockIndex
 from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_HASHES, PrefixTree
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from tests.helpers import toks
@@ -209,6 +210,39 @@ def test_index_updates_are_applied_a_few_at_a_time_not_all_at_the_next_tick() ->
         inserted.append(hashes[-1])
         assert sum(len(n.hashes) for n in tree._index_q) < INDEX_QUEUE_HASHES
     assert all(tree.node_of(h) is not None for h in inserted)
+
+
+def test_block_index_spreads_hashes_over_shards_and_forgets_them() -> None:
+    index: BlockIndex[str] = BlockIndex()
+    hashes = [0, 1, SHARD_MASK, SHARD_MASK + 1, -1, -(2**63), 2**63 - 1, 12345678901234]
+    index.put(hashes, "a")
+    assert all(index.get(h) == "a" for h in hashes) and len(index) == len(hashes)
+    assert sum(1 for s in index.shards if s) > 1  # not all in one dict
+    index.put(hashes[:2], "b")  # re-pointed, not duplicated
+    assert index.get(0) == "b" and len(index) == len(hashes)
+    index.discard([*hashes[:4], 999])  # one never held
+    assert [index.get(h) for h in hashes[:4]] == [None] * 4 and len(index) == 4
+
+
+def test_index_follows_the_tree_under_churn() -> None:
+    """Under the budget's steady eviction (routing adds prompts, the oldest go), the index
+    finds every block the tree holds, in the node holding it, and none it dropped."""
+    tree = PrefixTree(max_nodes=40, max_tokens=40 * 6 * BLOCK_SIZE)
+    shared = toks(7, 4)
+    prompts = []
+    for i in range(600):
+        h = chain(shared, toks(i, 2 + i % 3))
+        prompts.append(h)
+        tree.touch(tree.insert(h, float(i)), f"w{i % 3}", float(i))
+        if i % 25 == 0:
+            tree.maintain()
+    tree.maintain()
+    held = {h: n for n in tree.nodes() for h in n.hashes}
+    assert 0 < len(held) < sum(map(len, prompts))  # some were evicted
+    assert len(tree._index) == len(held)
+    assert all(tree.node_of(h) is n for h, n in held.items())
+    gone = {h for p in prompts for h in p} - held.keys()
+    assert gone and all(tree.node_of(h) is None for h in gone)
 
 
 def _lru_state(tree: PrefixTree) -> list:
