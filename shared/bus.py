@@ -4,7 +4,8 @@ Messages are msgspec Structs (``prefixmesh.shared.wire``); every call names the 
 subject's union so malformed payloads are rejected at the boundary, not deep inside a
 handler. Handlers run on nats-py's per-subscription task, one message at a time, which
 keeps a subscriber's state updates ordered; a handler that wants concurrency spawns into a
-``TaskSet`` it owns.
+``TaskSet`` it owns. A request server working through a backlog lets its answers go out
+every ``ANSWER_HOLD_S`` of handling (``_answer_each``).
 
 Requests share one wildcard reply subscription per connection (as nats-py's own requests
 do), but each waits on a plain future with a timer: no task per request (``asyncio.wait_for``

@@ -3,6 +3,8 @@ snapshots."""
 
 from __future__ import annotations
 
+import pytest
+
 from prefixmesh.services.scheduler.block_index import SHARD_MASK, BlockIndex
 from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_HASHES, PrefixTree
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
@@ -332,3 +334,17 @@ def test_budget_evicts_the_leaves_a_full_sort_would():
             assert len(heap_tree) <= 40
     assert before + heap_tree.budget_evictions == sort_tree.budget_evictions > 1_000
     assert len(heap_tree._lru) <= 2 * len(heap_tree) + 4096
+
+
+def test_index_churn_benchmark_runs_and_refuses_bad_sizes(capsys) -> None:
+    from prefixmesh.loadgen import index_churn
+
+    assert index_churn.slowest_insert(4, held=2_000, batch=10, rounds=50, seed=1) > 0
+    assert index_churn.main(["--shards", "1,4", "--held", "500", "--batch", "5",
+                             "--rounds", "20"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["1", "4"] and all("ms" in ln for ln in lines)
+    for bad in (["--shards", "0"], ["--shards", "a,b"], ["--batch", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            index_churn.main(bad)
+        assert exc.value.code == 2
