@@ -2,12 +2,11 @@
 routing.
 
 The tree indexes every block hash it holds (KV events name blocks by hash alone). In one
-dict of half a million hashes under steady churn (routing adds a request's new blocks,
-eviction drops old ones), CPython reclaims the slots of deleted keys only by rebuilding
-the whole table once its free entries run out: 50-57 ms for a million hashes, about once
-every 1.8 million inserts, with routing stopped meanwhile (at 30,000 decisions a second,
-most of a live scheduler's p99). Spread over 256 dicts by the hash's low bits, each
-rebuild moves 1/256 of the entries: none took 0.5 ms in the same churn.
+dict of hundreds of thousands of hashes under steady churn (routing adds a request's new
+blocks, the budget's eviction drops old ones), CPython reclaims the slots of deleted keys
+only by rebuilding the whole table once its free entries run out, with routing stopped
+meanwhile. Spread over 256 dicts by the hash's low bits, each rebuild moves 1/256 of the
+entries (``loadgen/index_churn.py`` times both; docs/benchmarks.md).
 """
 
 from __future__ import annotations
