@@ -8,6 +8,13 @@ the in-process benchmark as TokenizedRequests over NATS with ``--in-flight`` out
 reports decisions per second and client-side latency percentiles (request/reply round
 trip: msgpack encode, NATS hop, decision, reply).
 
+With ``--step-ms MS``, each routed request's completion record goes to the scheduler
+(subject ``done``) once its output would have been generated, MS a token after its answer,
+in one ``RequestDoneBatch`` per worker every step, as workers send theirs: the scheduler's
+load window then holds the requests in flight, as in a fleet, and the scheduler pays for
+reading the records. By default none is sent (as the figures in docs/benchmarks.md were
+measured): every request stays in the window until it expires.
+
 ``--schedulers N`` spawns N active-active replicas (one routing queue group, each charging
 the others' decisions): the result adds each replica's share of the decisions and the CPU
 all of them spent per decision.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import heapq
 import json
 import os
 import sys
@@ -50,6 +58,8 @@ from prefixmesh.shared.wire import (
     ROUTE_REPLY,
     ErrorInfo,
     LoadReportEvent,
+    RequestDoneBatch,
+    RequestDoneEvent,
     RouteReply,
     SamplingParams,
     TokenizedRequest,
@@ -69,6 +79,35 @@ STALL_TIMED = (
 )
 REPORT_INTERVAL_S = 0.25
 BLOCKS_PER_WORKER = 12_407  # mistral-7b-a6000: 198,516 tokens / 16
+
+
+class Completions:
+    """The routed requests' completion records, each due ``step_s`` a token after its
+    answer, sent every ``step_s`` as one ``RequestDoneBatch`` per worker."""
+
+    def __init__(self, bus: Bus, step_s: float) -> None:
+        self.bus = bus
+        self.step_s = step_s
+        self._due: list[tuple[float, str, str, int]] = []  # (due, request, worker, tokens)
+        self.sent = 0
+
+    def routed(self, request_id: str, worker_id: str, output_tokens: int) -> None:
+        heapq.heappush(self._due, (time.monotonic() + output_tokens * self.step_s,
+                                   request_id, worker_id, output_tokens))
+
+    async def run(self) -> None:
+        due = self._due
+        while True:
+            await asyncio.sleep(self.step_s)
+            now = time.monotonic()
+            ready: dict[str, list[RequestDoneEvent]] = {}
+            while due and due[0][0] <= now:
+                _, rid, worker, tokens = heapq.heappop(due)
+                ready.setdefault(worker, []).append(RequestDoneEvent(
+                    request_id=rid, worker_id=worker, completion_tokens=tokens))
+            for events in ready.values():
+                await self.bus.publish(self.bus.subjects.done, RequestDoneBatch(events=events))
+                self.sent += len(events)
 
 
 async def _report_loop(bus: Bus, workers: list[str]) -> None:
@@ -94,16 +133,20 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
     bus = await Bus.connect(nats_url, Subjects(args.prefix), "bench-live")
     workers = [f"w{i}" for i in range(args.workers)]
     reporter = asyncio.create_task(_report_loop(bus, workers))
+    completions = Completions(bus, args.step_ms / 1000) if args.step_ms > 0 else None
+    finisher = asyncio.create_task(completions.run()) if completions is not None else None
     await _all_route(logs)
     try:
         stream = make_stream(args.workload, None, args.seed)
-        reqs = [next(stream).route for _ in range(args.warmup + args.requests)]
+        bench = [next(stream) for _ in range(args.warmup + args.requests)]
+        output = {b.route.request_id: b.output_tokens for b in bench}
         # What the edge sends the scheduler: hashes and length, no token ids.
         msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[],
                                  sampling=SamplingParams(max_tokens=r.max_tokens),
                                  block_hashes=list(r.block_hashes),
                                  prompt_tokens=r.prompt_tokens)
-                for r in reqs]
+                for r in (b.route for b in bench)]
+        del bench
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 60
         while True:
@@ -133,6 +176,8 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
                     r = await route(msg)
                     if not r.worker_id:
                         raise RuntimeError(f"routing failed: {r.error}")
+                    if completions is not None:
+                        completions.routed(msg.request_id, r.worker_id, output[msg.request_id])
                     if timed:
                         latencies.append(time.perf_counter() - t0)
 
@@ -148,8 +193,10 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
             cpu = meter.read()
             messages = router.batches - sent if args.route_batch > 1 else len(latencies)
     finally:
-        reporter.cancel()
-        await asyncio.gather(reporter, return_exceptions=True)
+        for task in (reporter, finisher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await bus.close()
     latencies.sort()
     sched_cpu = sum(v for k, v in cpu.items() if k.startswith("scheduler"))
@@ -157,7 +204,8 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
     return {
         "workload": args.workload, "workers": args.workers, "policy": args.policy,
         "mode": "live", "in_flight": args.in_flight, "route_batch": args.route_batch,
-        "route_inflight": args.route_inflight,
+        "route_inflight": args.route_inflight, "step_ms": args.step_ms,
+        "completion_records": completions.sent if completions is not None else 0,
         "requests_per_message": round(len(latencies) / max(messages, 1), 2),
         "decisions_per_s": round(len(latencies) / elapsed, 1),
         # CPU per decision of each process: what other load on the machine does not
@@ -199,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
                     "--route-inflight")
     ap.add_argument("--schedulers", type=int, default=1,
                     help="scheduler replicas to spawn (active-active)")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="send each routed request's completion record to the scheduler "
+                    "this many ms a token after its answer, as a worker's step would (25: "
+                    "a mistral-7b-a6000 decode step; default 0: none, every request stays "
+                    "in the scheduler's window)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nats-url", default="", help="use this NATS server (default: start one)")
     ap.add_argument("--redis-url", default="",
@@ -210,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(flag, type=Path, default=None, help=text)
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
+    if args.step_ms < 0:
+        ap.error("--step-ms must be at least 0 (0: no completion records)")
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
     if args.external_scheduler and (args.stalls or args.baseline or args.profile):
