@@ -306,10 +306,11 @@ class Bus:
                 log.debug("close failed (%s); connection abandoned", exc2)
 
 
-def _answer_each(cb: Callable[[Msg], Awaitable[None]], sub: list[Subscription]
+def _answer_each(cb: Callable[[Msg], Awaitable[None]], subs: list[Subscription]
                  ) -> Callable[[Msg], Awaitable[None]]:
-    """``cb`` for ``sub[0]``, a subscription that answers its requests, letting the
-    answers written so far go out once handling a backlog has held them ``ANSWER_HOLD_S``.
+    """``cb`` for ``subs[0]`` (appended once subscribed), a subscription that answers its
+    requests, letting the answers written so far go out once handling a backlog has held
+    them ``ANSWER_HOLD_S``.
 
     nats-py hands a subscription's queued messages to its callback one after another
     without returning to the event loop, and a publish only queues its bytes for the
@@ -317,18 +318,19 @@ def _answer_each(cb: Callable[[Msg], Awaitable[None]], sub: list[Subscription]
     first of N queued requests would wait until the N-th was handled. Turning the loop
     after every answer would cost a write per answer where a burst of cheap requests now
     shares one; after each ``ANSWER_HOLD_S`` of handling, none waits longer than that."""
-    since = [0.0]  # when handling began without a turn of the loop (0: not in a backlog)
+    since = 0.0  # when handling began without a turn of the loop (0: not in a backlog)
 
     async def each(m: Msg) -> None:
-        began = since[0] or time.perf_counter()
+        nonlocal since
+        began = since or time.perf_counter()
         await cb(m)
-        if not (sub and sub[0].pending_msgs):
-            since[0] = 0.0  # nothing queued: the subscription's task waits, the loop turns
-        elif time.perf_counter() - began >= ANSWER_HOLD_S:
-            since[0] = 0.0
+        since = 0.0
+        if not (subs and subs[0].pending_msgs):
+            return  # nothing queued: the subscription's task waits, the loop turns
+        if time.perf_counter() - began >= ANSWER_HOLD_S:
             await asyncio.sleep(0)
         else:
-            since[0] = began
+            since = began
 
     return each
 
