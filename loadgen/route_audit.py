@@ -15,7 +15,9 @@ copy evicts something else. This is how the suite's cache-pressure loss was read
 (docs/sim-results.md). ``--why`` (E2) prints each new-home decision's cost terms on the
 chosen GPU and on the prefix's cheapest old home: the load term ``W``, ``M``, ``P`` and the
 rest of the cost (prefill backlog and interference), and how much of the prompt the old
-home really still held. Each GPU's requests, average latency and hit ratio follow.
+home really still held. Each GPU's requests, average latency and hit ratio follow;
+``--slowest N`` then lists the N slowest requests: arrival, latency, time to first token,
+prompt and cached tokens, the GPU and the decision that sent it there.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from prefixmesh.services.worker.engine.types import SimEngineConfig
 
 def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: float,
           pressure: float, why: list[str] | None = None,
-          per_gpu: dict[str, dict[str, float]] | None = None) -> tuple[Counter, float, float]:
+          per_gpu: dict[str, dict[str, float]] | None = None,
+          slowest: list[str] | None = None) -> tuple[Counter, float, float]:
     """Decision classes, mean latency (s) and cache hit ratio of one simulated run;
     ``why`` (a list, E2 only) receives a line per new-home decision (``--why``),
-    ``per_gpu`` each GPU's requests, latency, prompt and cached tokens (sums)."""
+    ``per_gpu`` each GPU's requests, latency, prompt and cached tokens (sums), ``slowest``
+    a line per request, slowest first (``--slowest``)."""
     n = max(1, round(rate * duration_s))
     reqs = spec.requests(n)
     engine = (SimEngineConfig(num_blocks=pressure_blocks(reqs, gpus, pressure))
@@ -53,6 +57,7 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
 
     priced = why is not None and hasattr(sim.policy, "costs")
     chosen: dict[str, str] = {}
+    kinds: dict[str, str] = {}
 
     def audited(req: RouteInput, now: float) -> Decision:
         if priced:
@@ -73,12 +78,21 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
                        + _gap(terms[old], costs[old], terms[d.worker_id], costs[d.worker_id]))
         seen.add(d.worker_id)
         chosen[req.request_id] = d.worker_id
+        kinds[req.request_id] = d.kind
         classes[(d.kind, where, to, home)] += 1
         return d
 
     sim.policy.route = audited  # type: ignore[method-assign]
-    run = sim.run(reqs, spec.times(rate, n))
+    arrivals = spec.times(rate, n)
+    run = sim.run(reqs, arrivals)
     done = [r for r in run.results if r.ok]
+    if slowest is not None:
+        for i in sorted(range(n), key=lambda i: -run.results[i].latency_s):
+            r, rid = run.results[i], f"r{i}"
+            where = f"{chosen.get(rid, '-')} ({kinds.get(rid, '-')})"
+            slowest.append(f"{rid:>6s} at {arrivals[i]:7.2f} s: {r.latency_s:6.2f} s, first token "
+                           f"{r.ttft_s:6.2f} s, prompt {r.prompt_tokens:6d}, cached "
+                           f"{r.cached_tokens:6d} -> {where}")
     if per_gpu is not None:
         for i, r in enumerate(run.results):
             if r.ok:
@@ -111,13 +125,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policies", default="e2,cache_aware")
     p.add_argument("--why", action="store_true",
                    help="print the cost terms of each E2 new-home decision")
+    p.add_argument("--slowest", type=int, default=0, metavar="N",
+                   help="list the N slowest requests and where they went")
     args = p.parse_args(argv)
+    if args.slowest < 0:
+        p.error("--slowest must be at least 0")
     spec = WorkloadSpec.from_args(args)
     for policy in split_variants(args.policies):
         why: list[str] | None = [] if args.why else None
         per_gpu: dict[str, dict[str, float]] = {}
+        slow: list[str] | None = [] if args.slowest else None
         classes, avg, hit = audit(spec, policy, args.gpus, args.rate, args.duration,
-                                  args.cache_pressure, why, per_gpu)
+                                  args.cache_pressure, why, per_gpu, slow)
         print(f"{policy}: avg {avg:.3f} s, hit ratio {hit:.1%}")
         for key, count in sorted(classes.items()):
             print(f"  {' / '.join(key):55s} {count}")
@@ -129,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"hit ratio {c['cached'] / max(c['prompt'], 1):.1%}")
         for line in why or ():
             print(f"    {line}")
+        if slow:
+            print(f"  slowest {min(args.slowest, len(slow))}:")
+            for line in slow[:args.slowest]:
+                print(f"    {line}")
     return 0
 
 

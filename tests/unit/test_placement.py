@@ -279,6 +279,23 @@ def test_route_audit_takes_policy_variants_with_several_knobs(
     assert "e2:th_bal=inf,affinity_prefill_slack=0: avg" in out and "cache_aware: avg" in out
 
 
+def test_route_audit_lists_the_slowest_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    from prefixmesh.loadgen.route_audit import main
+
+    assert main(["--workload", "toolbench", "--gpus", "2", "--rate", "20", "--duration", "2",
+                 "--policies", "round_robin", "--slowest", "5"]) == 0
+    out = capsys.readouterr().out
+    listed = re.findall(r"r\d+ at +[\d.]+ s: +([\d.]+) s, first token .* -> (gpu\d) "
+                        r"\(round_robin\)", out)
+    assert "slowest 5:" in out and len(listed) == 5
+    latencies = [float(lat) for lat, _ in listed]
+    assert latencies == sorted(latencies, reverse=True) and latencies[-1] > 0
+    with pytest.raises(SystemExit):
+        main(["--workload", "toolbench", "--rate", "20", "--slowest", "-1"])
+
+
 def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
     import json
 

@@ -81,6 +81,8 @@ class E2Policy:
         self._th_bal = config.th_bal
         self._rebalance = math.isfinite(config.th_bal)  # th_bal = inf turns rebalancing off
         self._backlog_exploit = config.backlog_exploit
+        self._explore_wait = config.explore_wait
+        self._explore_wait_fleet = config.explore_wait_fleet
         self._pd_ratio = config.pd_max_cost_ratio
         self._default_out = float(config.default_output_tokens)
         self._affinity = config.affinity_prefill_slack
@@ -381,6 +383,8 @@ class E2Policy:
         cached = [get(ws.id, 0) for ws in order] if depths else [0] * len(order)
         i, best_cost = self.price.cheapest(order, cached, prompt)
         best, got = order[i], cached[i]
+        if self._explore_wait:
+            best, got = self._bound_wait(order, cached, prompt, now, best, got)
         if self._affinity > 0 and m:
             home = self._affinity_home(workers, node, m, prompt, depths, best, best_cost)
             if home is not None:
@@ -392,6 +396,29 @@ class E2Policy:
                 pd.pd_used = True
                 return pd, "pd_balance", pd_got
         return best, "explore", got
+
+    def _bound_wait(self, order: list[WorkerState], cached: list[int], prompt: int,
+                    now: float, best: WorkerState, got: int) -> tuple[WorkerState, int]:
+        """``best`` (caching ``got`` blocks of R), unless its prefill backlog exceeds both
+        ``explore_wait`` x R's prefill there and ``explore_wait_fleet`` x the fleet's mean
+        backlog; then the cheapest of the workers whose backlog is within the first bound
+        (``best`` when there is none)."""
+        bound, block = self._explore_wait, self.block
+
+        def within(ws: WorkerState, blocks: int) -> bool:
+            return ws.busy_until - now <= bound * (ws.tables or self.tables).pt(
+                prompt - blocks * block)
+
+        if within(best, got):
+            return best, got
+        fleet = sum(ws.busy_until - now for ws in order if ws.busy_until > now) / len(order)
+        if best.busy_until - now <= self._explore_wait_fleet * fleet:
+            return best, got  # the fleet is about as far behind: nowhere starts R sooner
+        ok = [j for j, ws in enumerate(order) if within(ws, cached[j])]
+        if not ok:
+            return best, got
+        j, _ = self.price.cheapest([order[j] for j in ok], [cached[j] for j in ok], prompt)
+        return order[ok[j]], cached[ok[j]]
 
     def _affinity_home(
         self,
