@@ -306,28 +306,29 @@ def test_interference_can_count_what_was_routed_since_the_last_report() -> None:
 # --------------------------------------------------------------------------- explore wait
 
 
-def _docs_behind_one_worker(cfg: PolicyConfig) -> tuple[E2Policy, str]:
-    """w1 and w2 each decode 30 short requests; w0 was just sent three cold 20k-token
-    documents (a prefill backlog of about three times one's prefill). Where does a fourth
-    cold document go?"""
-    p = make(3, cfg)
+def _docs_behind_one_worker(cfg: PolicyConfig, n: int = 3) -> str:
+    """Workers w1.. decode 60 short requests between them; w0 was just sent three cold
+    20k-token documents (a prefill backlog of about three times one's prefill). Where does
+    a fourth cold document go?"""
+    p = make(n, cfg)
     for i in range(60):
         p.route(req(f"s{i}", toks(i, 4), exclude={"w0"}), 0.001 * i)
+    others = {f"w{i}" for i in range(1, n)}
     for i in range(3):
-        p.route(req(f"d{i}", toks(100 + i, 1250), exclude={"w1", "w2"}), 0.1)
-    return p, p.route(req("d3", toks(103, 1250)), 0.11).worker_id
+        p.route(req(f"d{i}", toks(100 + i, 1250), exclude=others), 0.1)
+    return p.route(req("d3", toks(103, 1250)), 0.11).worker_id
 
 
-def test_a_cold_request_is_not_queued_far_behind_where_the_fleet_is_not() -> None:
-    # By cost alone the document joins the others: P x 0.5 x 30 requests slowed on w1 or
-    # w2 against about 3 P of waiting on w0.
-    p, where = _docs_behind_one_worker(PolicyConfig(explore_wait=0.0))
-    assert where == "w0"
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_cold_request_is_not_queued_far_behind_where_the_fleet_is_not(n: int) -> None:
+    # By cost alone the document joins the others: P x 0.5 x the short requests in flight
+    # on any other worker against about 3 P of waiting on w0.
+    assert _docs_behind_one_worker(PolicyConfig(explore_wait=0.0), n) == "w0"
     # Bounded: w0 would hold it behind more than 2 x its prefill, and w0's backlog is more
-    # than twice the fleet's mean, so the cheapest worker that starts it sooner gets it.
-    p, where = _docs_behind_one_worker(PolicyConfig(explore_wait=2.0, explore_wait_fleet=2.0))
-    assert where in ("w1", "w2")
-    # Judged against the fleet too: with its bar out of reach (100 x the fleet's mean
+    # than twice the others' mean, so the cheapest worker that starts it sooner gets it.
+    got = _docs_behind_one_worker(PolicyConfig(explore_wait=2.0, explore_wait_fleet=2.0), n)
+    assert got != "w0"
+    # Judged against the fleet too: with its bar out of reach (100 x the others' mean
     # backlog), the cost's choice stands.
-    p, where = _docs_behind_one_worker(PolicyConfig(explore_wait=2.0, explore_wait_fleet=100.0))
-    assert where == "w0"
+    got = _docs_behind_one_worker(PolicyConfig(explore_wait=2.0, explore_wait_fleet=100.0), n)
+    assert got == "w0"

@@ -400,25 +400,30 @@ class E2Policy:
     def _bound_wait(self, order: list[WorkerState], cached: list[int], prompt: int,
                     now: float, best: WorkerState, got: int) -> tuple[WorkerState, int]:
         """``best`` (caching ``got`` blocks of R), unless its prefill backlog exceeds both
-        ``explore_wait`` x R's prefill there and ``explore_wait_fleet`` x the fleet's mean
-        backlog; then the cheapest of the workers whose backlog is within the first bound
-        (``best`` when there is none)."""
+        ``explore_wait`` x R's prefill there and ``explore_wait_fleet`` x the other
+        workers' mean backlog; then the cheapest of the workers whose backlog is within
+        the first bound (``best`` when there is none)."""
         bound, block = self._explore_wait, self.block
 
         def within(ws: WorkerState, blocks: int) -> bool:
             return ws.busy_until - now <= bound * (ws.tables or self.tables).pt(
                 prompt - blocks * block)
 
-        if within(best, got):
-            return best, got
-        fleet = sum(ws.busy_until - now for ws in order if ws.busy_until > now) / len(order)
-        if best.busy_until - now <= self._explore_wait_fleet * fleet:
-            return best, got  # the fleet is about as far behind: nowhere starts R sooner
+        if within(best, got) or not self._behind_fleet(best, order, now):
+            return best, got  # not far behind, or the fleet is too: nowhere starts R sooner
         ok = [j for j, ws in enumerate(order) if within(ws, cached[j])]
         if not ok:
             return best, got
         j, _ = self.price.cheapest([order[j] for j in ok], [cached[j] for j in ok], prompt)
         return order[ok[j]], cached[ok[j]]
+
+    def _behind_fleet(self, ws: WorkerState, fleet: list[WorkerState], now: float) -> bool:
+        """``ws``'s prefill backlog exceeds ``explore_wait_fleet`` x the mean of the others'
+        in ``fleet`` (a worker alone is never behind)."""
+        if len(fleet) < 2:
+            return False
+        others = sum(w.busy_until - now for w in fleet if w is not ws and w.busy_until > now)
+        return ws.busy_until - now > self._explore_wait_fleet * others / (len(fleet) - 1)
 
     def _affinity_home(
         self,
