@@ -86,9 +86,8 @@ class PolicyConfig:
     # its own prefill there, and than explore_wait_fleet x the other workers' mean
     # backlog, goes to the cheapest worker whose backlog is within the first bound, if
     # there is one: the load cost weighs R's wait once against the prefill slowing every
-    # request in flight elsewhere, so in a burst long cold documents queued for 15-20 s
-    # behind each other on two of eight workers (docs/sim-results.md, placement suite).
-    # 0 = off.
+    # request in flight elsewhere, so in a burst long cold documents queued behind each
+    # other on two of eight workers (docs/sim-results.md, placement suite). 0 = off.
     explore_wait: float = 2.0
     explore_wait_fleet: float = 2.0
     # Running batch assumed when pricing one more decoding sequence (sequences): DT is the
