@@ -54,6 +54,8 @@ if TYPE_CHECKING:
     from prefixmesh.shared.trail.artifact import PredictorArtifact
 
 START_TIMEOUT_S = 30.0
+# A service still stopping after this long has its tasks' stacks printed (it is stuck).
+STOP_WATCH_S = 15.0
 # Load-report interval of workers in service tests (seconds): fast, so load views and
 # failover settle in a fraction of a second.
 FAST_LOAD_INTERVAL_S = 0.05
@@ -95,7 +97,19 @@ async def running(service: Service, drain_timeout_s: float = 5.0) -> AsyncIterat
         yield service
     finally:
         stop.set()
+        done, _ = await asyncio.wait({task}, timeout=STOP_WATCH_S)
+        if not done:  # say where it is stuck before the test's own timeout ends the run
+            _print_tasks(f"{service.name} not stopped after {STOP_WATCH_S}s")
         await task
+
+
+def _print_tasks(why: str) -> None:
+    """Every task's stack, for a test that hangs (pytest shows what a test prints)."""
+    import sys
+
+    print(f"--- {why}; tasks:", file=sys.stderr)
+    for t in asyncio.all_tasks():
+        t.print_stack(file=sys.stderr)
 
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.05) -> None:

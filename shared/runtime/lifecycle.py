@@ -21,6 +21,9 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+# How long ``TaskSet.aclose`` waits for cancelled tasks before cancelling again.
+CANCEL_RETRY_S = 0.5
+
 
 class Service(Protocol):
     """What ``run_service`` needs from a service."""
@@ -74,11 +77,15 @@ class TaskSet:
             await asyncio.wait(set(self._tasks))
 
     async def aclose(self) -> None:
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel every task and wait until all have ended. A cancel can be lost inside a
+        library call (a loop cancelled inside a redis-py call while Redis restarted went
+        on to its next round), so a task still running ``CANCEL_RETRY_S`` later
+        is cancelled again, until it ends."""
+        pending = set(self._tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_RETRY_S)
         self._tasks.clear()
 
     async def __aenter__(self) -> TaskSet:
