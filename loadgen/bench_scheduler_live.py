@@ -48,6 +48,7 @@ from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable
 from prefixmesh.shared.runtime.servers import (
+    STOP_TIMEOUT_S,
     ManagedProcess,
     child_env,
     start_nats,
@@ -78,6 +79,8 @@ STALL_TIMED = (
     "prefixmesh.services.scheduler.store:StateStore.flush",
 )
 REPORT_INTERVAL_S = 0.25
+# How long a scheduler run under --profile may take to stop (it writes the profile last).
+PROFILE_STOP_TIMEOUT_S = 120.0
 BLOCKS_PER_WORKER = 12_407  # mistral-7b-a6000: 198,516 tokens / 16
 
 
@@ -319,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         result = uvloop.run(_run(nats_url, args, pids, routing_logs))
     finally:
         for proc in reversed(procs):  # scheduler first, then the servers
-            proc.stop()
+            # A profiled scheduler drains slowly and writes its profile only once stopped.
+            proc.stop(PROFILE_STOP_TIMEOUT_S if args.profile else STOP_TIMEOUT_S)
+    if args.profile is not None:
+        for i in range(args.schedulers):
+            prof = args.profile / f"scheduler-{i}.prof"
+            if not prof.exists():
+                print(f"no profile written to {prof} (see {tmp / f'scheduler-{i}.log'})",
+                      file=sys.stderr)
     text = json.dumps(result)
     print(text)
     if args.json:

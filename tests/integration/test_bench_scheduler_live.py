@@ -37,3 +37,16 @@ def test_live_bench_refuses_a_negative_step(capsys: pytest.CaptureFixture[str]) 
         main(["--step-ms", "-1"])
     assert exc.value.code == 2
     assert "--step-ms must be at least 0" in capsys.readouterr().err
+
+
+def test_live_bench_profiles_the_scheduler_it_spawns(nats_server: str, redis_server: str,
+                                                     tmp_path: Path) -> None:
+    """``--profile DIR``: the spawned scheduler runs under cProfile and, once stopped,
+    leaves its profile there, with the routing code in it."""
+    import pstats
+
+    run(nats_server, redis_server, tmp_path / "p.json", "benchlive-prof",
+        "--profile", str(tmp_path / "prof"))
+    stats = pstats.Stats(str(tmp_path / "prof" / "scheduler-0.prof"))
+    functions = {name for _file, _line, name in stats.stats}  # type: ignore[attr-defined]
+    assert "route" in functions and "_decide" in functions
