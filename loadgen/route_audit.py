@@ -17,7 +17,10 @@ chosen GPU and on the prefix's cheapest old home: the load term ``W``, ``M``, ``
 rest of the cost (prefill backlog and interference), and how much of the prompt the old
 home really still held. Each GPU's requests, average latency and hit ratio follow;
 ``--slowest N`` then lists the N slowest requests: arrival, latency, time to first token,
-prompt and cached tokens, the GPU and the decision that sent it there.
+prompt and cached tokens, the GPU and the decision that sent it there. A sweep draws its
+requests once, for its heaviest rate, and replays the first ones at lighter rates;
+``--draw N`` does the same, so that a lighter point of a sweep or of the placement suite
+(whose heaviest load has ``--requests`` requests) is audited on the requests it ran.
 """
 
 from __future__ import annotations
@@ -38,13 +41,15 @@ from prefixmesh.services.worker.engine.types import SimEngineConfig
 def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: float,
           pressure: float, why: list[str] | None = None,
           per_gpu: dict[str, dict[str, float]] | None = None,
-          slowest: list[str] | None = None) -> tuple[Counter, float, float]:
+          slowest: list[str] | None = None, draw: int = 0) -> tuple[Counter, float, float]:
     """Decision classes, mean latency (s) and cache hit ratio of one simulated run;
     ``why`` (a list, E2 only) receives a line per new-home decision (``--why``),
     ``per_gpu`` each GPU's requests, latency, prompt and cached tokens (sums), ``slowest``
-    a line per request, slowest first (``--slowest``)."""
+    a line per request, slowest first (``--slowest``). ``draw`` > the run's count: its
+    requests are the first of ``draw`` drawn, as in a sweep whose heaviest rate needs
+    ``draw`` (``--draw``)."""
     n = max(1, round(rate * duration_s))
-    reqs = spec.requests(n)
+    reqs = spec.requests(max(n, draw))[:n]
     engine = (SimEngineConfig(num_blocks=pressure_blocks(reqs, gpus, pressure))
               if pressure > 0 else None)
     v = parse_variant(policy)
@@ -127,16 +132,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="print the cost terms of each E2 new-home decision")
     p.add_argument("--slowest", type=int, default=0, metavar="N",
                    help="list the N slowest requests and where they went")
+    p.add_argument("--draw", type=int, default=0, metavar="N",
+                   help="draw N requests and replay the first rate x duration of them, as "
+                   "a sweep does at its lighter rates (the suite: N = its --requests, 500 by "
+                   "default), so a point of a sweep or suite is audited as it ran (default: "
+                   "draw rate x duration)")
     args = p.parse_args(argv)
     if args.slowest < 0:
         p.error("--slowest must be at least 0")
+    if args.draw < 0:
+        p.error("--draw must be at least 0")
     spec = WorkloadSpec.from_args(args)
     for policy in split_variants(args.policies):
         why: list[str] | None = [] if args.why else None
         per_gpu: dict[str, dict[str, float]] = {}
         slow: list[str] | None = [] if args.slowest else None
         classes, avg, hit = audit(spec, policy, args.gpus, args.rate, args.duration,
-                                  args.cache_pressure, why, per_gpu, slow)
+                                  args.cache_pressure, why, per_gpu, slow, args.draw)
         print(f"{policy}: avg {avg:.3f} s, hit ratio {hit:.1%}")
         for key, count in sorted(classes.items()):
             print(f"  {' / '.join(key):55s} {count}")

@@ -296,6 +296,24 @@ def test_route_audit_lists_the_slowest_requests(capsys: pytest.CaptureFixture[st
         main(["--workload", "toolbench", "--rate", "20", "--slowest", "-1"])
 
 
+def test_route_audit_replays_a_sweeps_lighter_point_on_the_requests_it_ran() -> None:
+    """A sweep draws its requests for its heaviest rate and replays the first ones at the
+    lighter rates; ``--draw`` makes the audit do the same, so its run is that point's."""
+    from prefixmesh.loadgen.options import WorkloadSpec
+    from prefixmesh.loadgen.route_audit import audit
+    from prefixmesh.loadgen.sweep import sweep
+    from prefixmesh.shared.costmodel import DEFAULT_PROFILE
+
+    spec = WorkloadSpec("loogle:0.3,toolbench:0.7", seed=1)
+    rows = sweep(spec, 2, [2.0, 6.0], ["round_robin"], ["prefix_fair"], DEFAULT_PROFILE, 4.0,
+                 progress=False)
+    light = next(r for r in rows if r["rate"] == 2.0)
+    _, avg, _ = audit(spec, "round_robin", 2, 2.0, 4.0, 0.0, draw=24)
+    assert avg == pytest.approx(light["latency_avg_s"], rel=1e-9)
+    _, own, _ = audit(spec, "round_robin", 2, 2.0, 4.0, 0.0)  # its own 8 requests
+    assert own != pytest.approx(avg, rel=1e-6)
+
+
 def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
     import json
 
