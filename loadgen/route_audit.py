@@ -19,8 +19,10 @@ home really still held. Each GPU's requests, average latency and hit ratio follo
 ``--slowest N`` then lists the N slowest requests: arrival, latency, time to first token,
 prompt and cached tokens, the GPU and the decision that sent it there. A sweep draws its
 requests once, for its heaviest rate, and replays the first ones at lighter rates;
-``--draw N`` does the same, so that a lighter point of a sweep or of the placement suite
-(whose heaviest load has ``--requests`` requests) is audited on the requests it ran.
+``--draw N`` does the same, so that a lighter point of a sweep, or of a placement-suite
+configuration of one GPU type without cache pressure (its heaviest load has ``--requests``
+requests; a pressure configuration's pool is sized for the fleet instead), is audited on
+the requests it ran.
 """
 
 from __future__ import annotations
@@ -135,8 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--draw", type=int, default=0, metavar="N",
                    help="draw N requests and replay the first rate x duration of them, as "
                    "a sweep does at its lighter rates (the suite: N = its --requests, 500 by "
-                   "default), so a point of a sweep or suite is audited as it ran (default: "
-                   "draw rate x duration)")
+                   "default), so such a point is audited as it ran (default: draw rate x "
+                   "duration)")
     args = p.parse_args(argv)
     if args.slowest < 0:
         p.error("--slowest must be at least 0")

@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import os
 import random
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
@@ -105,8 +106,6 @@ async def running(service: Service, drain_timeout_s: float = 5.0) -> AsyncIterat
 
 def _print_tasks(why: str) -> None:
     """Every task's stack, for a test that hangs (pytest shows what a test prints)."""
-    import sys
-
     print(f"--- {why}; tasks:", file=sys.stderr)
     for t in asyncio.all_tasks():
         t.print_stack(file=sys.stderr)
