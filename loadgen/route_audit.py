@@ -15,7 +15,8 @@ copy evicts something else. This is how the suite's cache-pressure loss was read
 (docs/sim-results.md). ``--why`` (E2) prints each new-home decision's cost terms on the
 chosen GPU and on the prefix's cheapest old home: the load term ``W``, ``M``, ``P`` and the
 rest of the cost (prefill backlog and interference), and how much of the prompt the old
-home really still held. Each GPU's requests, average latency and hit ratio follow;
+home really still held. Each GPU's requests, average latency and hit ratio follow, then,
+with ``--state-every S`` (E2), the policy's view of each GPU every S seconds of the run;
 ``--slowest N`` then lists the N slowest requests: arrival, latency, time to first token,
 prompt and cached tokens, the GPU and the decision that sent it there. A sweep draws its
 requests once, for its heaviest rate, and replays the first ones at lighter rates;
@@ -43,13 +44,16 @@ from prefixmesh.services.worker.engine.types import SimEngineConfig
 def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: float,
           pressure: float, why: list[str] | None = None,
           per_gpu: dict[str, dict[str, float]] | None = None,
-          slowest: list[str] | None = None, draw: int = 0) -> tuple[Counter, float, float]:
+          slowest: list[str] | None = None, draw: int = 0,
+          state: list[str] | None = None, state_every_s: float = 0.0,
+          ) -> tuple[Counter, float, float]:
     """Decision classes, mean latency (s) and cache hit ratio of one simulated run;
     ``why`` (a list, E2 only) receives a line per new-home decision (``--why``),
     ``per_gpu`` each GPU's requests, latency, prompt and cached tokens (sums), ``slowest``
     a line per request, slowest first (``--slowest``). ``draw`` > the run's count: its
     requests are the first of ``draw`` drawn, as in a sweep whose heaviest rate needs
-    ``draw`` (``--draw``)."""
+    ``draw`` (``--draw``). ``state`` (E2 only) receives, every ``state_every_s`` seconds
+    of the run, a line per GPU of the policy's view of it (``--state-every``)."""
     n = max(1, round(rate * duration_s))
     reqs = spec.requests(max(n, draw))[:n]
     engine = (SimEngineConfig(num_blocks=pressure_blocks(reqs, gpus, pressure))
@@ -66,7 +70,14 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
     chosen: dict[str, str] = {}
     kinds: dict[str, str] = {}
 
+    marks = [state_every_s]  # the next time to take the policy's view at
+    viewed = state is not None and state_every_s > 0 and hasattr(sim.policy, "worker_state")
+
     def audited(req: RouteInput, now: float) -> Decision:
+        if viewed and now >= marks[0]:
+            _view(sim.policy, now, state)  # type: ignore[arg-type]
+            while marks[0] <= now:
+                marks[0] += state_every_s
         if priced:
             terms = sim.policy.explain(req, now)  # type: ignore[attr-defined]
             costs = sim.policy.costs(req, now)  # type: ignore[attr-defined]
@@ -113,6 +124,17 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
     return classes, statistics.mean(r.latency_s for r in done), hit
 
 
+def _view(policy: object, now: float, out: list[str]) -> None:
+    """E2's view of each GPU at ``now``: ``L`` (its windowed GPU work), requests in the
+    window and in flight, prefill backlog, and the queueing time of its last load report."""
+    out.append(f"at {now:7.2f} s:")
+    for w in sorted(policy.workers):  # type: ignore[attr-defined]
+        ws = policy.worker_state(w)  # type: ignore[attr-defined]
+        out.append(f"  {w}: L {ws.L:8.1f} s, {ws.n:5d} in the window, {ws.inflight:4d} in "
+                   f"flight, backlog {max(0.0, ws.busy_until - now):6.1f} s, reported queue "
+                   f"{ws.avg_queue_s:5.1f} s")
+
+
 def _gap(old: tuple[float, float, float], old_cost: float, new: tuple[float, float, float],
          new_cost: float) -> str:
     """Old home's cost minus the chosen GPU's, in total and per term (seconds)."""
@@ -139,7 +161,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "a sweep does at its lighter rates (the suite: N = its --requests, 500 by "
                    "default), so such a point is audited as it ran (default: draw rate x "
                    "duration)")
+    p.add_argument("--state-every", type=float, default=0.0, metavar="SECONDS",
+                   help="E2: every SECONDS of the run, print the policy's view of each GPU "
+                   "(L, requests in the window and in flight, prefill backlog, reported "
+                   "queueing time)")
     args = p.parse_args(argv)
+    if args.state_every < 0:
+        p.error("--state-every must be at least 0")
     if args.slowest < 0:
         p.error("--slowest must be at least 0")
     if args.draw < 0:
@@ -149,8 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         why: list[str] | None = [] if args.why else None
         per_gpu: dict[str, dict[str, float]] = {}
         slow: list[str] | None = [] if args.slowest else None
+        state: list[str] = []
         classes, avg, hit = audit(spec, policy, args.gpus, args.rate, args.duration,
-                                  args.cache_pressure, why, per_gpu, slow, args.draw)
+                                  args.cache_pressure, why, per_gpu, slow, args.draw,
+                                  state, args.state_every)
         print(f"{policy}: avg {avg:.3f} s, hit ratio {hit:.1%}")
         for key, count in sorted(classes.items()):
             print(f"  {' / '.join(key):55s} {count}")
@@ -162,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"hit ratio {c['cached'] / max(c['prompt'], 1):.1%}")
         for line in why or ():
             print(f"    {line}")
+        for line in state:
+            print(f"  {line}")
         if slow:
             print(f"  slowest {min(args.slowest, len(slow))}:")
             for line in slow[:args.slowest]:

@@ -314,6 +314,28 @@ def test_route_audit_replays_a_sweeps_lighter_point_on_the_requests_it_ran() -> 
     assert own != pytest.approx(avg, rel=1e-6)
 
 
+def test_route_audit_shows_e2s_view_of_each_gpu_during_the_run() -> None:
+    import re
+
+    from prefixmesh.loadgen.options import WorkloadSpec
+    from prefixmesh.loadgen.route_audit import audit
+
+    spec = WorkloadSpec("toolbench", seed=0)
+    state: list[str] = []
+    audit(spec, "e2", 2, 20.0, 3.0, 0.0, state=state, state_every_s=1.0)
+    marks = [float(m) for m in re.findall(r"^at +([\d.]+) s:$", "\n".join(state), re.M)]
+    # Once a second of arrivals (Poisson: the last may come a little after 3 s).
+    assert len(marks) >= 2 and all(i + 1 <= t < i + 2 for i, t in enumerate(marks))
+    gpus = [ln for ln in state if ln.startswith("  gpu")]
+    view = re.compile(r"L +[\d.]+ s, +\d+ in the window, +\d+ in flight")
+    assert len(gpus) == 2 * len(marks) and all(view.search(g) for g in gpus)
+    later = int(re.search(r"(\d+) in the window", gpus[2]).group(1))  # type: ignore[union-attr]
+    assert later > 0  # by 2 s, requests were routed to gpu0
+    none: list[str] = []
+    audit(spec, "round_robin", 2, 20.0, 3.0, 0.0, state=none, state_every_s=1.0)
+    assert none == []  # only E2 has a view to show
+
+
 def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
     import json
 
