@@ -70,14 +70,15 @@ def audit(spec: WorkloadSpec, policy: str, gpus: int, rate: float, duration_s: f
     chosen: dict[str, str] = {}
     kinds: dict[str, str] = {}
 
-    marks = [state_every_s]  # the next time to take the policy's view at
     viewed = state is not None and state_every_s > 0 and hasattr(sim.policy, "worker_state")
+    next_view = state_every_s  # when to take the policy's view next (s of the run)
 
     def audited(req: RouteInput, now: float) -> Decision:
-        if viewed and now >= marks[0]:
+        nonlocal next_view
+        if viewed and now >= next_view:
             _view(sim.policy, now, state)  # type: ignore[arg-type]
-            while marks[0] <= now:
-                marks[0] += state_every_s
+            while next_view <= now:
+                next_view += state_every_s
         if priced:
             terms = sim.policy.explain(req, now)  # type: ignore[attr-defined]
             costs = sim.policy.costs(req, now)  # type: ignore[attr-defined]
