@@ -191,6 +191,49 @@ def test_load_is_incremental_and_expires_with_the_window():
     assert w0.L == pytest.approx(2 * cost(512, 30))
 
 
+def test_a_hit_is_charged_its_prefill_after_the_cached_prefix():
+    # 4 blocks after a 1,600-block document: each chunk attends to the 25,600 cached
+    # tokens, which a PT from scratch leaves out.
+    doc, tail = toks(1, 1600), toks(2, 4)
+    charged = {}
+    for after in (True, False):
+        p = make(1, PolicyConfig(pt_after_cached=after))
+        p.route(req("doc", doc, toks(3, 1), out=1), 0.0)
+        w0 = p.worker_state("w0")
+        before = w0.L
+        assert p.route(req("hit", doc, tail, out=1), 1.0).kind == "exploit"
+        charged[after] = w0.L - before - COST.marginal_decode_time(1604 * BLOCK_SIZE, 32)
+    assert charged[True] == pytest.approx(COST.prefill_time(4 * BLOCK_SIZE, 1600 * BLOCK_SIZE))
+    assert charged[False] == pytest.approx(COST.prefill_time(4 * BLOCK_SIZE))
+    assert charged[True] > 2 * charged[False]
+
+
+@pytest.mark.parametrize("cap, home", [(20.0, "w0"), (0.0, "w1")])
+def test_saturated_workers_compare_by_what_the_request_costs_there(cap, home):
+    # w0 past saturation (L = 1.05 H), w1 just below it (L = 0.95 H): uncapped, the load
+    # term prices w0 at L (105 s) and w1 at the M/M/1 delay, 95 s here; capped at 20 s,
+    # both cost the cap and the prefix w0 caches decides.
+    p = make(2, PolicyConfig(window_s=100.0, load_wait_cap_s=cap))
+    prefix = toks(1, 40)
+
+    def load(worker: str, target: float, first: list[int]) -> None:
+        rest = [w for w in p.workers if w != worker]
+        for i in range(5):  # five requests of target / 5 seconds each, outputs to come
+            prompt = first if i == 0 else toks(100 + 10 * len(rest[0]) + i, 8)
+            ctx = len(prompt) + BLOCK_SIZE
+            out = (target / 5 - COST.prefill_time(ctx)) / COST.marginal_decode_time(ctx, 32)
+            p.route(req(f"{worker}-{i}", prompt, toks(200 + i, 1), out=out,
+                        max_tokens=1 << 30, exclude=rest), 0.1 * i)
+
+    load("w0", 105.0, prefix)
+    load("w1", 95.0, toks(7, 8))
+    assert p.worker_state("w0").L == pytest.approx(105.0)
+    assert p.worker_state("w1").L == pytest.approx(95.0)
+    cold = req("r", prefix, toks(9, 60), out=10)  # 40 of 100 blocks cached: explore
+    d = p.route(cold, 2.0)
+    assert (d.worker_id, d.kind) == (home, "explore")
+
+
 def test_eviction_term_penalises_evicting_a_heavily_shared_prefix():
     # Both workers cache 135 blocks of 140; a cold 125-block prompt forces each to evict.
     # On w0 that is a prefix all of its window requests share; on w1 one used once.

@@ -85,6 +85,25 @@ def test_affinity_yields_to_load() -> None:
     assert d.worker_id != home and d.kind == "explore"
 
 
+@pytest.mark.parametrize("cap, kept", [(20.0, True), (0.0, False)])
+def test_affinity_holds_on_a_fleet_whose_cheapest_placement_is_a_full_wait(
+        cap: float, kept: bool) -> None:
+    # Every worker has 27-32 s of long prefills ahead (L far below H: the window alone
+    # does not call the fleet saturated); the home one prefill more than the others. The
+    # cheapest placement costs more than the capped wait, so the fleet is saturated and
+    # the home may cost up to affinity_saturated_ratio x that: a recompute elsewhere
+    # would spend throughput the whole queue waits for.
+    p, doc, home = _evicted_everywhere(PolicyConfig(load_wait_cap_s=cap))
+    for w in p.workers:
+        for i in range(7 if w == home else 6):
+            p.route(req(f"{w}-{i}", toks(100 * len(w) + 10 * int(w[1:]) + i, 1625),
+                        exclude=others_than(p, w)), 0.6)
+    d = p.route(req("r1", doc, toks(10, 1)), 1.0)
+    assert max(ws.L for ws in map(p.worker_state, p.workers)) < PolicyConfig().window_s / 4
+    assert (d.worker_id == home) is kept
+    assert d.kind == ("affinity" if kept else "explore")
+
+
 def others_than(p: E2Policy, keep: str) -> set[str]:
     return {w for w in p.workers if w != keep}
 

@@ -125,6 +125,19 @@ class PolicyConfig:
     # request would miss or how fast the GPU is until utilisation is near 1
     # (docs/sim-results.md: placement suite).
     load_wait: bool = True
+    # ... never above this many seconds (0: no cap). Near and past saturation (u -> 1) the
+    # M/M/1 delay runs to L itself, minutes, while a saturated worker's queue is seconds to
+    # tens of seconds: in a fleet overloaded for minutes a worker just under u = 1 priced
+    # at seconds next to ones just over it priced at minutes took every hot prefix's
+    # traffic and queued it (docs/sim-results.md, placement suite: 3,000-request runs).
+    # Capped, the saturated workers compare by what R costs there: its prefill, the
+    # requests it delays, the prefill backlog.
+    load_wait_cap_s: float = 20.0
+    # PT of a request's missed tokens priced after the tokens the worker caches, as the
+    # engine computes them (each chunk attends to the cached prefix: a short question
+    # after a long document costs several times its PT from scratch); False: PT from
+    # scratch (Preble's formula).
+    pt_after_cached: bool = True
     # Interference in the load cost: + this x P(R's missed tokens) x the worker's running
     # sequences (see interference_inflight): under chunked prefill R's prefill delays each
     # of them by about P (docs/sim-results.md: loogle, programming). 0 turns it off.
@@ -176,9 +189,10 @@ class PolicyConfig:
     # prefix's traffic on few workers after eviction, so working sets larger than the
     # cluster's cache stay partitioned (videoqa past its knee). 0 turns it off.
     affinity_prefill_slack: float = 0.5
-    # On a saturated cluster (the cheapest worker's windowed work L >= H: every GPU busy
-    # all the time, queues growing), affinity may also cost up to this multiple of the
-    # cheapest worker's cost: throughput, i.e. prefill saved, is then what bounds latency.
+    # On a saturated cluster (the cheapest worker's windowed work L >= H, or its cost at
+    # least load_wait_cap_s: every GPU busy all the time, queues growing), affinity may
+    # also cost up to this multiple of the cheapest worker's cost: throughput, i.e.
+    # prefill saved, is then what bounds latency.
     affinity_saturated_ratio: float = 1.25
 
     # ---------------------------------------------------------------- baselines

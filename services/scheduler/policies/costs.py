@@ -20,12 +20,15 @@ from prefixmesh.shared.costmodel import CostModel
 
 # Context bucket of the DT table (tokens); below one bucket DT is tabulated per block.
 DT_BUCKET_TOKENS = 1024
+# Entries of the PT-after-a-cached-prefix memo before it starts over.
+_AFTER_MAX = 1 << 16
 
 
 class CostTables:
     """PT (prefill seconds) and DT (marginal decode seconds per output token)."""
 
-    __slots__ = ("cost", "batch", "block", "lone_step", "_pt", "_chunks", "_dt", "_dt_edges")
+    __slots__ = ("cost", "batch", "block", "lone_step", "_pt", "_chunks", "_dt", "_dt_edges",
+                 "_after")
 
     def __init__(self, cost: CostModel, dt_batch_size: int) -> None:
         self.cost = cost
@@ -38,6 +41,8 @@ class CostTables:
         self._chunks: list[float] = [0.0]
         self._dt: list[float | None] = []
         self._dt_edges: list[float | None] = []
+        # PT after a cached prefix, by (cached blocks, new blocks); cleared when full.
+        self._after: dict[tuple[int, int], float] = {}
 
     def pt(self, tokens: int) -> float:
         """PT(n): seconds to prefill ``n`` uncached tokens (chunked like the engine)."""
@@ -48,6 +53,24 @@ class CostTables:
         if b < len(t) and (v := t[b]) is not None:
             return v
         return _put(t, b, self._prefill(b * self.block))
+
+    def pt_after(self, tokens: int, cached_tokens: int) -> float:
+        """PT of ``tokens`` uncached tokens computed after ``cached_tokens`` cached ones
+        (``CostModel.prefill_time(tokens, cached_tokens)``, in blocks rounded up): every
+        chunk attends to the cached prefix, so a short tail after a long document costs
+        several times its ``pt``."""
+        if cached_tokens <= 0:
+            return self.pt(tokens)
+        if tokens <= 0:
+            return 0.0
+        key = (cached_tokens // self.block, -(-tokens // self.block))
+        memo = self._after
+        v = memo.get(key)
+        if v is None:
+            if len(memo) >= _AFTER_MAX:
+                memo.clear()
+            v = memo[key] = self.cost.prefill_time(key[1] * self.block, key[0] * self.block)
+        return v
 
     def _prefill(self, n: int) -> float:
         """``CostModel.prefill_time(n)`` in one step: full chunks from a prefix sum."""

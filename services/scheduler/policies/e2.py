@@ -75,6 +75,8 @@ class E2Policy:
         self.price.interference = config.interference_weight
         self.price.by_inflight = config.interference_inflight
         self.price.wait_window = config.window_s if config.load_wait else 0.0
+        self.price.after_cached = config.pt_after_cached
+        self.price.wait_cap = config.load_wait_cap_s
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
@@ -87,6 +89,7 @@ class E2Policy:
         self._default_out = float(config.default_output_tokens)
         self._affinity = config.affinity_prefill_slack
         self._affinity_sat = config.affinity_saturated_ratio
+        self._wait_cap = config.load_wait_cap_s
         self._step_weight = config.decode_step_weight
         self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
@@ -406,8 +409,8 @@ class E2Policy:
         bound, block = self._explore_wait, self.block
 
         def within(ws: WorkerState, blocks: int) -> bool:
-            return ws.busy_until - now <= bound * (ws.tables or self.tables).pt(
-                prompt - blocks * block)
+            return ws.busy_until - now <= bound * self.price.pt(
+                ws.tables or self.tables, prompt - blocks * block, blocks)
 
         if within(best, got) or not self._behind_fleet(best, order, now):
             return best, got  # not far behind, or the fleet is too: nowhere starts R sooner
@@ -443,7 +446,8 @@ class E2Policy:
         through it in the window. None: no such node or worker, ``best`` is already one of
         them, or the home costs more than ``best_cost``
         + ``affinity_prefill_slack`` x PT(the prefix) (saturated cluster: or more than
-        ``affinity_saturated_ratio`` x ``best_cost``) while it is busy (``L`` above
+        ``affinity_saturated_ratio`` x ``best_cost``; saturated: ``best``'s ``L`` fills the
+        window or its cost reaches ``load_wait_cap_s``) while it is busy (``L`` above
         ``rebalance_min_util`` x H; below that nothing queues there, as for rebalancing).
         """
         root = self.tree.root
@@ -457,10 +461,12 @@ class E2Policy:
                 home = None
                 home_cost = math.inf
                 # Affinity may cost up to a multiple of the prefill it can save later; on a
-                # saturated cluster (even the cheapest worker's L fills the window) work
-                # saved is what matters, and it may cost a fraction of the load too.
+                # saturated cluster (even the cheapest worker's L fills the window, or its
+                # cost is a full capped wait) work saved is what matters, and it may cost
+                # a fraction of the load too.
                 limit = best_cost + self._affinity * self.tables.pt(end * self.block)
-                if best.L >= self._window_s and self._affinity_sat * best_cost > limit:
+                if (best.L >= self._window_s or 0 < self._wait_cap <= best_cost) and (
+                        self._affinity_sat * best_cost > limit):
                     limit = self._affinity_sat * best_cost
                 busy = self._busy_l
                 for w in counts:
@@ -527,7 +533,7 @@ class E2Policy:
         over = tree.worker_blocks[ws.id] - ws.capacity_blocks
         if over > 0:
             tree.evict_lru(ws.id, over, protect=leaf)
-        prefill = (ws.tables or self.tables).pt(prompt - got * self.block)
+        prefill = self.price.pt(ws.tables or self.tables, prompt - got * self.block, got)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
         self.window.add(now, ws, leaf, rid, prefill, prompt, out)
 

@@ -1,11 +1,14 @@
 """E2's load cost of a request on a worker: ``L + M + P`` in estimated GPU seconds.
 
-- ``L``: the worker's windowed work (``e2_load.LoadWindow``).
+- ``L``: the worker's windowed work (``e2_load.LoadWindow``); with ``load_wait`` (the
+  default) the load term is the queueing delay ``L`` implies instead, at most
+  ``load_wait_cap_s`` (``LoadCost.load``).
 - ``M``: for each tree node ``j`` the worker would evict (LRU, in the scheduler's model of
   its cache) to fit R's missing tokens, ``PT(len_j) * N_j`` with ``N_j`` = window requests
   through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
   most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
-- ``P``: ``PT(tokens of R not cached on the worker)``.
+- ``P``: ``PT(tokens of R not cached on the worker)``, computed after the ones it caches
+  (``pt_after_cached``: each chunk attends to the cached prefix).
 - Prefill backlog (added to ``L``; not in Preble's formula; default weight 1.0): weight x
   the seconds until the prefills already routed to the worker would be done, run one
   after another from their assignment (``WorkerState.busy_until``). ``L`` is work over
@@ -56,18 +59,30 @@ class LoadCost:
         self.by_inflight = False
         # Load term: the queueing delay ``L`` implies (window ``H`` seconds), or 0: ``L``.
         self.wait_window = 0.0
+        # ... capped at this many seconds (0: no cap).
+        self.wait_cap = 0.0
+        # P priced after the worker's cached blocks of the request (else from scratch).
+        self.after_cached = False
+
+    def pt(self, tables: CostTables, missing: int, cached_blocks: int) -> float:
+        """P: seconds to prefill ``missing`` tokens on a worker caching ``cached_blocks``
+        blocks of the request, with ``tables`` (that worker's GPU)."""
+        if self.after_cached:
+            return tables.pt_after(missing, cached_blocks * self.block)
+        return tables.pt(missing)
 
     def load(self, ws: WorkerState) -> float:
         """The load term of ``ws``: ``L``, or the queueing delay it implies (M/M/1 at the
-        window's utilisation ``u = L / H``, capped by ``L``)."""
+        window's utilisation ``u = L / H``, capped by ``L`` and by ``wait_cap``)."""
         h = self.wait_window
         if not h or ws.n <= 0:
             return ws.L
         u = ws.L / h
-        if u >= 1.0:
-            return ws.L
-        w = u / (1.0 - u) * ws.L / ws.n
-        return w if w < ws.L else ws.L
+        w = u / (1.0 - u) * ws.L / ws.n if u < 1.0 else ws.L
+        if w > ws.L:
+            w = ws.L
+        cap = self.wait_cap
+        return cap if cap and w > cap else w
 
     def begin(self, node: Node) -> None:
         """Start pricing a request whose match ends in ``node``."""
@@ -77,12 +92,13 @@ class LoadCost:
     def terms(self, ws: WorkerState, cached_blocks: int, prompt: int) -> tuple[float, float, float]:
         """``(L, M, P)`` of the request on ``ws`` given the blocks of it ``ws`` caches."""
         missing = prompt - cached_blocks * self.block
-        return self.load(ws), self.evict_cost(ws, missing), (ws.tables or self.tables).pt(missing)
+        p = self.pt(ws.tables or self.tables, missing, cached_blocks)
+        return self.load(ws), self.evict_cost(ws, missing), p
 
     def cost(self, ws: WorkerState, cached_blocks: int, prompt: int) -> float:
         """``L + M + P`` (seconds)."""
         missing = prompt - cached_blocks * self.block
-        p = (ws.tables or self.tables).pt(missing)
+        p = self.pt(ws.tables or self.tables, missing, cached_blocks)
         if self.interference:
             p += self.interference * p * (ws.inflight if self.by_inflight else ws.running)
         c = self.load(ws) + ws.step_s * self.out + p + self.evict_cost(ws, missing)
@@ -138,7 +154,7 @@ class LoadCost:
             tables = ws.tables or default
             p = p_of.get((tables, got))
             if p is None:
-                p = p_of[tables, got] = tables.pt(prompt - got * block)
+                p = p_of[tables, got] = self.pt(tables, prompt - got * block, got)
             if iw:
                 p += iw * p * (ws.inflight if by_inflight else ws.running)
             if bw and ws.busy_until > now:
