@@ -136,8 +136,9 @@ class PolicyConfig:
     # PT of a request's missed tokens priced after the tokens the worker caches, as the
     # engine computes them (each chunk attends to the cached prefix: a short question
     # after a long document costs several times its PT from scratch); False: PT from
-    # scratch (Preble's formula).
-    pt_after_cached: bool = True
+    # scratch (Preble's formula). Off: closer to the engine, but over the placement suite
+    # it only moved tails, one out of 3% (docs/sim-results.md, placement suite).
+    pt_after_cached: bool = False
     # Interference in the load cost: + this x P(R's missed tokens) x the worker's running
     # sequences (see interference_inflight): under chunked prefill R's prefill delays each
     # of them by about P (docs/sim-results.md: loogle, programming). 0 turns it off.

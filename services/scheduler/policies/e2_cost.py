@@ -7,8 +7,8 @@
   its cache) to fit R's missing tokens, ``PT(len_j) * N_j`` with ``N_j`` = window requests
   through ``j`` on the worker / all window requests on the worker. Evicting a prefix that
   most of the worker's traffic shares is expensive; evicting a one-off is nearly free.
-- ``P``: ``PT(tokens of R not cached on the worker)``, computed after the ones it caches
-  (``pt_after_cached``: each chunk attends to the cached prefix).
+- ``P``: ``PT(tokens of R not cached on the worker)``; with ``pt_after_cached``, computed
+  after the ones it caches (each chunk attends to the cached prefix).
 - Prefill backlog (added to ``L``; not in Preble's formula; default weight 1.0): weight x
   the seconds until the prefills already routed to the worker would be done, run one
   after another from their assignment (``WorkerState.busy_until``). ``L`` is work over
