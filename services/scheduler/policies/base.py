@@ -136,8 +136,8 @@ class PolicyConfig:
     # PT of a request's missed tokens priced after the tokens the worker caches, as the
     # engine computes them (each chunk attends to the cached prefix: a short question
     # after a long document costs several times its PT from scratch); False: PT from
-    # scratch (Preble's formula). Off: closer to the engine, but over the placement suite
-    # it only moved tails, one out of 3% (docs/sim-results.md, placement suite).
+    # scratch (Preble's formula). Off by default: closer to the engine, but over the
+    # placement suite it only moved tails, one point past 3% (docs/sim-results.md).
     pt_after_cached: bool = False
     # Interference in the load cost: + this x P(R's missed tokens) x the worker's running
     # sequences (see interference_inflight): under chunked prefill R's prefill delays each
