@@ -85,15 +85,18 @@ def test_affinity_yields_to_load() -> None:
     assert d.worker_id != home and d.kind == "explore"
 
 
-@pytest.mark.parametrize("cap, kept", [(20.0, True), (0.0, False)])
+@pytest.mark.parametrize("cap, load_wait, kept",
+                         [(20.0, True, True), (0.0, True, False), (20.0, False, False)])
 def test_affinity_holds_on_a_fleet_whose_cheapest_placement_is_a_full_wait(
-        cap: float, kept: bool) -> None:
+        cap: float, load_wait: bool, kept: bool) -> None:
     # Every worker has 27-32 s of long prefills ahead (L far below H: the window alone
     # does not call the fleet saturated); the home one prefill more than the others. The
     # cheapest placement costs more than the capped wait, so the fleet is saturated and
     # the home may cost up to affinity_saturated_ratio x that: a recompute elsewhere
-    # would spend throughput the whole queue waits for.
-    p, doc, home = _evicted_everywhere(PolicyConfig(load_wait_cap_s=cap))
+    # would spend throughput the whole queue waits for. With Preble's L as the load term
+    # (load_wait off) the cap is not in play: costs are in minutes, and only L says
+    # saturated.
+    p, doc, home = _evicted_everywhere(PolicyConfig(load_wait_cap_s=cap, load_wait=load_wait))
     for w in p.workers:
         for i in range(7 if w == home else 6):
             p.route(req(f"{w}-{i}", toks(100 * len(w) + 10 * int(w[1:]) + i, 1625),

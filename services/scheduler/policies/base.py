@@ -125,7 +125,8 @@ class PolicyConfig:
     # request would miss or how fast the GPU is until utilisation is near 1
     # (docs/sim-results.md: placement suite).
     load_wait: bool = True
-    # ... never above this many seconds (0: no cap). Near and past saturation (u -> 1) the
+    # ... never above this many seconds (0: no cap; with load_wait off, L is uncapped and
+    # the affinity test below reads saturation from L alone). Near and past saturation the
     # M/M/1 delay runs to L itself, minutes, while a saturated worker's queue is seconds to
     # tens of seconds: in a fleet overloaded for minutes a worker just under u = 1 priced
     # at seconds next to ones just over it priced at minutes took every hot prefix's

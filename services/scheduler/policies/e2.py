@@ -76,7 +76,8 @@ class E2Policy:
         self.price.by_inflight = config.interference_inflight
         self.price.wait_window = config.window_s if config.load_wait else 0.0
         self.price.after_cached = config.pt_after_cached
-        self.price.wait_cap = config.load_wait_cap_s
+        # The cap bounds the queueing-delay load term; Preble's L (load_wait off) is uncapped.
+        self.price.wait_cap = config.load_wait_cap_s if config.load_wait else 0.0
         # Config values read on every decision, kept as plain attributes.
         self._window_s = config.window_s
         self._busy_l = config.rebalance_min_util * config.window_s  # L of a busy worker (s)
@@ -89,7 +90,6 @@ class E2Policy:
         self._default_out = float(config.default_output_tokens)
         self._affinity = config.affinity_prefill_slack
         self._affinity_sat = config.affinity_saturated_ratio
-        self._wait_cap = config.load_wait_cap_s
         self._step_weight = config.decode_step_weight
         self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
@@ -465,7 +465,7 @@ class E2Policy:
                 # cost is a full capped wait) work saved is what matters, and it may cost
                 # a fraction of the load too.
                 limit = best_cost + self._affinity * self.tables.pt(end * self.block)
-                if (best.L >= self._window_s or 0 < self._wait_cap <= best_cost) and (
+                if (best.L >= self._window_s or 0 < self.price.wait_cap <= best_cost) and (
                         self._affinity_sat * best_cost > limit):
                     limit = self._affinity_sat * best_cost
                 busy = self._busy_l
