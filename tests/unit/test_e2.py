@@ -99,6 +99,32 @@ def test_evicted_prefix_stops_attracting_exploit_routing():
     assert p.route(req("o1", other, toks(21, 2)), 1.2).kind in ("explore", "affinity")
 
 
+@pytest.mark.parametrize("sends_events, model_anyway, kept", [
+    (False, False, False),  # no KV events: the LRU model evicts the first document
+    (True, False, True),  # KV events: only the worker's own BlockRemoved evict
+    (True, True, False),  # model_eviction_with_events: the model evicts regardless
+])
+def test_routing_models_eviction_only_for_workers_without_kv_events(
+        sends_events, model_anyway, kept):
+    # One worker of 100 blocks, sent two 60-block documents: past its capacity, the model
+    # would drop the first, least recently routed. A worker that sends KV events has not
+    # said it evicted anything, so the first stays in the tree (and its next question is
+    # an exploit) until a BlockRemoved comes.
+    p = make(1, PolicyConfig(model_eviction_with_events=model_anyway),
+             capacity=100 * BLOCK_SIZE)
+    first, second = toks(1, 60), toks(2, 60)
+    if sends_events:
+        p.on_kv_events("w0", [AllBlocksCleared()], 0.0)
+    p.route(req("a", first, toks(10, 1)), 0.1)
+    p.route(req("b", second, toks(11, 1)), 0.2)
+    assert bool(p.tree.cached_depths(*p.tree.match(block_hashes(first)))) is kept
+    d = p.route(req("c", first, toks(12, 1)), 0.3)
+    assert (d.kind == "exploit") is kept
+    if kept:
+        p.on_kv_events("w0", [BlockRemoved(block_hashes=block_hashes(first)[:1])], 0.4)
+        assert not p.tree.cached_depths(*p.tree.match(block_hashes(first)))
+
+
 def test_removed_worker_leaves_routing_and_the_tree():
     p = make(3)
     prefix = toks(1, 100)

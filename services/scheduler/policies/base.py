@@ -150,6 +150,12 @@ class PolicyConfig:
     # the requests just sent there, the ones a long prefill would land on, are missing
     # (docs/sim-results.md, placement suite: 32 of 36 points within 3% against 28).
     interference_inflight: bool = True
+    # Model a worker's eviction in the tree at routing (LRU over what was routed there,
+    # by its KV capacity) even once it sends KV events. Off: a worker's own BlockRemoved
+    # events say what it evicted, and the model, which evicts for prompts still queued,
+    # only stands in for a worker that sends none (docs/sim-results.md, "What the tree
+    # evicts": ahead in sustained overload, behind on some tails near the knee).
+    model_eviction_with_events: bool = False
 
     # ---------------------------------------------------------------- E2 replication
     # A node carrying at least this fraction of its worker's window requests is a hot

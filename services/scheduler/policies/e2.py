@@ -93,6 +93,7 @@ class E2Policy:
         self._step_weight = config.decode_step_weight
         self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
+        self._model_eviction = config.model_eviction_with_events
         # Cost tables per profile named in load reports (a fleet mixing GPU types).
         self._profile_tables: dict[str, CostTables] = {cost.name: self.tables}
 
@@ -527,11 +528,18 @@ class E2Policy:
 
     def _charge(self, rid: str, ws: WorkerState, leaf: Node, prompt: int, got: int,
                 out: float, now: float) -> None:
-        """The worker's side of a decision recorded up to ``leaf``: its modelled eviction,
-        prefill backlog and window ``L``."""
+        """The worker's side of a decision recorded up to ``leaf``: its modelled eviction
+        (only for a worker that sends no KV events, unless ``model_eviction_with_events``),
+        prefill backlog and window ``L``.
+
+        A worker's own BlockRemoved events are what it evicted. The model evicts in
+        routing order for every prompt routed there, queued ones too; behind minutes of
+        queue, a worker that runs cache hits first (``prefix_fair``) still held much of
+        what the model dropped, and E2 priced those prefills again and moved their
+        prefixes (docs/sim-results.md, "What the tree evicts")."""
         tree = self.tree
         over = tree.worker_blocks[ws.id] - ws.capacity_blocks
-        if over > 0:
+        if over > 0 and (self._model_eviction or not ws.reports_kv):
             tree.evict_lru(ws.id, over, protect=leaf)
         prefill = self.price.pt(ws.tables or self.tables, prompt - got * self.block, got)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
@@ -542,8 +550,11 @@ class E2Policy:
     def on_kv_events(self, worker_id: str, events: list[KvEvent], now: float) -> None:
         """BlockStored adds the worker to caching sets, BlockRemoved / AllBlocksCleared drop it."""
         self._clock(now)
-        if worker_id not in self._ws:
+        ws = self._ws.get(worker_id)
+        if ws is None:
             return
+        if events:
+            ws.reports_kv = True
         self.tree.apply_events(worker_id, events, now)
 
     def on_load(self, report: LoadReportEvent, now: float) -> None:

@@ -88,6 +88,7 @@ class WorkerState:
         "busy_until",
         "running",
         "inflight",
+        "reports_kv",
         "queue",
         "alive",
         "profile",
@@ -125,6 +126,9 @@ class WorkerState:
         self.running = 0
         # Requests routed here and not done yet (the window's own count: no report lag).
         self.inflight = 0
+        # The worker sends KV events: its BlockRemoved say what it evicted, so the tree
+        # does not model its eviction at routing (``E2Policy._charge``).
+        self.reports_kv = False
         self.queue = QueueTrend()
         # False once the worker left (its requests may still sit in the window).
         self.alive = True
