@@ -99,13 +99,16 @@ def test_evicted_prefix_stops_attracting_exploit_routing():
     assert p.route(req("o1", other, toks(21, 2)), 1.2).kind in ("explore", "affinity")
 
 
-@pytest.mark.parametrize("sends_events, model_anyway, kept", [
-    (False, False, False),  # no KV events: the LRU model evicts the first document
-    (True, False, True),  # KV events: only the worker's own BlockRemoved evict
-    (True, True, False),  # model_eviction_with_events: the model evicts regardless
+@pytest.mark.parametrize("events, model_anyway, kept", [
+    ([], False, False),  # no KV events: the LRU model evicts the first document
+    # A reset the service passes on the worker's behalf (engine restart) is not the
+    # worker's own event: the model stays.
+    ([AllBlocksCleared()], False, False),
+    ([BlockRemoved(block_hashes=[7])], False, True),  # KV events: only its BlockRemoved evict
+    ([BlockRemoved(block_hashes=[7])], True, False),  # model_eviction_with_events: the model
 ])
 def test_routing_models_eviction_only_for_workers_without_kv_events(
-        sends_events, model_anyway, kept):
+        events, model_anyway, kept):
     # One worker of 100 blocks, sent two 60-block documents: past its capacity, the model
     # would drop the first, least recently routed. A worker that sends KV events has not
     # said it evicted anything, so the first stays in the tree (and its next question is
@@ -113,8 +116,8 @@ def test_routing_models_eviction_only_for_workers_without_kv_events(
     p = make(1, PolicyConfig(model_eviction_with_events=model_anyway),
              capacity=100 * BLOCK_SIZE)
     first, second = toks(1, 60), toks(2, 60)
-    if sends_events:
-        p.on_kv_events("w0", [AllBlocksCleared()], 0.0)
+    if events:
+        p.on_kv_events("w0", events, 0.0)
     p.route(req("a", first, toks(10, 1)), 0.1)
     p.route(req("b", second, toks(11, 1)), 0.2)
     assert bool(p.tree.cached_depths(*p.tree.match(block_hashes(first)))) is kept

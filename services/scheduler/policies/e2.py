@@ -41,6 +41,8 @@ from prefixmesh.services.scheduler.policies.e2_replicate import Replicator
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 from prefixmesh.shared.costmodel import CostModel
 from prefixmesh.shared.wire import (
+    BlockRemoved,
+    BlockStored,
     KvEvent,
     LoadReportEvent,
     RequestDoneEvent,
@@ -553,7 +555,9 @@ class E2Policy:
         ws = self._ws.get(worker_id)
         if ws is None:
             return
-        if events:
+        # Only the worker's own block events say it reports them: the service also passes
+        # AllBlocksCleared on its behalf when it sees the engine restart.
+        if not ws.reports_kv and any(isinstance(e, (BlockStored, BlockRemoved)) for e in events):
             ws.reports_kv = True
         self.tree.apply_events(worker_id, events, now)
 
