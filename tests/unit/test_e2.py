@@ -99,25 +99,30 @@ def test_evicted_prefix_stops_attracting_exploit_routing():
     assert p.route(req("o1", other, toks(21, 2)), 1.2).kind in ("explore", "affinity")
 
 
-@pytest.mark.parametrize("events, model_anyway, kept", [
-    ([], False, False),  # no KV events: the LRU model evicts the first document
+@pytest.mark.parametrize("events, knobs, queue_s, kept", [
+    ([], {}, 0.0, False),  # no KV events: the LRU model evicts the first document
     # A reset the service passes on the worker's behalf (engine restart) is not the
     # worker's own event: the model stays.
-    ([AllBlocksCleared()], False, False),
-    ([BlockRemoved(block_hashes=[7])], False, True),  # KV events: only its BlockRemoved evict
-    ([BlockRemoved(block_hashes=[7])], True, False),  # model_eviction_with_events: the model
+    ([AllBlocksCleared()], {}, 0.0, False),
+    # KV events and a queue (model_eviction_queue_s, 1 s): only its BlockRemoved evict ...
+    ([BlockRemoved(block_hashes=[7])], {}, 3.0, True),
+    # ... and with a short queue the model evicts: what is routed there runs soon.
+    ([BlockRemoved(block_hashes=[7])], {}, 0.2, False),
+    ([BlockRemoved(block_hashes=[7])], {"model_eviction_queue_s": 0.0}, 0.2, True),
+    # model_eviction_with_events: the model evicts at any queue.
+    ([BlockRemoved(block_hashes=[7])], {"model_eviction_with_events": True}, 3.0, False),
 ])
 def test_routing_models_eviction_only_for_workers_without_kv_events(
-        events, model_anyway, kept):
+        events, knobs, queue_s, kept):
     # One worker of 100 blocks, sent two 60-block documents: past its capacity, the model
     # would drop the first, least recently routed. A worker that sends KV events has not
     # said it evicted anything, so the first stays in the tree (and its next question is
     # an exploit) until a BlockRemoved comes.
-    p = make(1, PolicyConfig(model_eviction_with_events=model_anyway),
-             capacity=100 * BLOCK_SIZE)
+    p = make(1, PolicyConfig(**knobs), capacity=100 * BLOCK_SIZE)
     first, second = toks(1, 60), toks(2, 60)
     if events:
         p.on_kv_events("w0", events, 0.0)
+    p.on_load(LoadReportEvent(worker_id="w0", ts=0.05, avg_queue_s=queue_s), 0.05)
     p.route(req("a", first, toks(10, 1)), 0.1)
     p.route(req("b", second, toks(11, 1)), 0.2)
     assert bool(p.tree.cached_depths(*p.tree.match(block_hashes(first)))) is kept

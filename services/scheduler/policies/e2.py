@@ -96,6 +96,7 @@ class E2Policy:
         self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
         self._model_eviction = config.model_eviction_with_events
+        self._model_eviction_queue_s = config.model_eviction_queue_s
         # Cost tables per profile named in load reports (a fleet mixing GPU types).
         self._profile_tables: dict[str, CostTables] = {cost.name: self.tables}
 
@@ -531,17 +532,20 @@ class E2Policy:
     def _charge(self, rid: str, ws: WorkerState, leaf: Node, prompt: int, got: int,
                 out: float, now: float) -> None:
         """The worker's side of a decision recorded up to ``leaf``: its modelled eviction
-        (only for a worker that sends no KV events, unless ``model_eviction_with_events``),
-        prefill backlog and window ``L``.
+        (for a worker that sends KV events only while its reported queueing time is under
+        ``model_eviction_queue_s``, or with ``model_eviction_with_events``), prefill
+        backlog and window ``L``.
 
         A worker's own BlockRemoved events are what it evicted. The model evicts in
         routing order for every prompt routed there, queued ones too; behind minutes of
         queue, a worker that runs cache hits first (``prefix_fair``) still held much of
         what the model dropped, and E2 priced those prefills again and moved their
-        prefixes (docs/sim-results.md, "What the tree evicts")."""
+        prefixes. Behind a short queue the model only runs ahead of the events
+        (docs/sim-results.md, "What the tree evicts")."""
         tree = self.tree
         over = tree.worker_blocks[ws.id] - ws.capacity_blocks
-        if over > 0 and (self._model_eviction or not ws.reports_kv):
+        if over > 0 and (self._model_eviction or not ws.reports_kv
+                         or ws.avg_queue_s < self._model_eviction_queue_s):
             tree.evict_lru(ws.id, over, protect=leaf)
         prefill = self.price.pt(ws.tables or self.tables, prompt - got * self.block, got)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
