@@ -112,12 +112,12 @@ def test_evicted_prefix_stops_attracting_exploit_routing():
     # model_eviction_with_events: the model evicts at any queue.
     ([BlockRemoved(block_hashes=[7])], {"model_eviction_with_events": True}, 3.0, False),
 ])
-def test_routing_models_eviction_only_for_workers_without_kv_events(
+def test_routing_models_eviction_without_kv_events_or_behind_a_short_queue(
         events, knobs, queue_s, kept):
     # One worker of 100 blocks, sent two 60-block documents: past its capacity, the model
-    # would drop the first, least recently routed. A worker that sends KV events has not
-    # said it evicted anything, so the first stays in the tree (and its next question is
-    # an exploit) until a BlockRemoved comes.
+    # would drop the first, least recently routed. A worker that sends KV events and
+    # reports a queue has not said it evicted anything, so the first stays in the tree
+    # (and its next question is an exploit) until a BlockRemoved comes.
     p = make(1, PolicyConfig(**knobs), capacity=100 * BLOCK_SIZE)
     first, second = toks(1, 60), toks(2, 60)
     if events:
