@@ -3,6 +3,7 @@ cost L + M + P, rebalancing, hot-prefix replication, KV-event feedback and snaps
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -109,8 +110,8 @@ def test_evicted_prefix_stops_attracting_exploit_routing():
     # ... and with a short queue the model evicts: what is routed there runs soon.
     ([BlockRemoved(block_hashes=[7])], {}, 0.2, False),
     ([BlockRemoved(block_hashes=[7])], {"model_eviction_queue_s": 0.0}, 0.2, True),
-    # model_eviction_with_events: the model evicts at any queue.
-    ([BlockRemoved(block_hashes=[7])], {"model_eviction_with_events": True}, 3.0, False),
+    # An unbounded queue time: the model evicts at any queue.
+    ([BlockRemoved(block_hashes=[7])], {"model_eviction_queue_s": math.inf}, 3.0, False),
 ])
 def test_routing_models_eviction_without_kv_events_or_behind_a_short_queue(
         events, knobs, queue_s, kept):

@@ -150,16 +150,14 @@ class PolicyConfig:
     # the requests just sent there, the ones a long prefill would land on, are missing
     # (docs/sim-results.md, placement suite: 32 of 36 points within 3% against 28).
     interference_inflight: bool = True
-    # Model a worker's eviction in the tree at routing (LRU over what was routed there,
-    # by its KV capacity) even once it sends KV events, at any queue. Off: behind a
-    # queue (below) a worker's own BlockRemoved events say what it evicted, and the
-    # model, which evicts for prompts still queued, stands in for a worker that sends
-    # none (docs/sim-results.md, "What the tree evicts").
-    model_eviction_with_events: bool = False
-    # ... and while the worker's latest load report says its requests waited less than
-    # this long in its queue (seconds; 0 = never): a prompt routed there then runs within
+    # The tree models a worker's eviction at routing (LRU over what was routed there, by
+    # its KV capacity) for a worker that sends no KV events, and for one that does while
+    # its latest load report says its requests waited less than this long in its queue
+    # (seconds; 0 = never, inf = at any queue): a prompt routed there then runs within
     # about that time, so what the model evicts for it the worker evicts soon, before its
     # event says so (near the knee this look ahead helps the longest prompts' tails).
+    # Behind a longer queue the worker's own BlockRemoved events say what it evicted: the
+    # model evicts for prompts still queued (docs/sim-results.md, "What the tree evicts").
     model_eviction_queue_s: float = 1.0
 
     # ---------------------------------------------------------------- E2 replication

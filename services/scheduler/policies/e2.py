@@ -95,7 +95,6 @@ class E2Policy:
         self._step_weight = config.decode_step_weight
         self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
-        self._model_eviction = config.model_eviction_with_events
         self._model_eviction_queue_s = config.model_eviction_queue_s
         # Cost tables per profile named in load reports (a fleet mixing GPU types).
         self._profile_tables: dict[str, CostTables] = {cost.name: self.tables}
@@ -533,8 +532,7 @@ class E2Policy:
                 out: float, now: float) -> None:
         """The worker's side of a decision recorded up to ``leaf``: its modelled eviction
         (for a worker that sends KV events only while its reported queueing time is under
-        ``model_eviction_queue_s``, or with ``model_eviction_with_events``), prefill
-        backlog and window ``L``.
+        ``model_eviction_queue_s``), prefill backlog and window ``L``.
 
         A worker's own BlockRemoved events are what it evicted. The model evicts in
         routing order for every prompt routed there, queued ones too; behind minutes of
@@ -544,8 +542,7 @@ class E2Policy:
         (docs/sim-results.md, "What the tree evicts")."""
         tree = self.tree
         over = tree.worker_blocks[ws.id] - ws.capacity_blocks
-        if over > 0 and (self._model_eviction or not ws.reports_kv
-                         or ws.avg_queue_s < self._model_eviction_queue_s):
+        if over > 0 and (not ws.reports_kv or ws.avg_queue_s < self._model_eviction_queue_s):
             tree.evict_lru(ws.id, over, protect=leaf)
         prefill = self.price.pt(ws.tables or self.tables, prompt - got * self.block, got)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
