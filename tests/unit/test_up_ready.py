@@ -1,6 +1,7 @@
 """When ``prefixmesh up`` says the mesh is up (services/up.py ``awaited``): the edge answers,
-every worker it started reports (a worker reports only once its engine runs), and the
-scheduler routes to all of them; and what it says while it waits."""
+every worker it started reports (a worker reports only once its engine runs), the
+scheduler routes to all of them and every scheduler replica routes; and what it says while
+it waits."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def cluster(workers: dict[str, bool], scheduler_knows: int | None) -> dict:
             "scheduler": sched}
 
 
-def test_ready_only_when_every_worker_reports_and_the_scheduler_knows_them() -> None:
+def test_ready_only_when_every_worker_reports_and_every_scheduler_routes_to_them() -> None:
     own = ["w0", "w1"]
     assert awaited(True, cluster({"w0": False, "w1": False}, 2), own, 2) == []
     # A worker still loading its model has not reported.
@@ -39,6 +40,11 @@ def test_ready_only_when_every_worker_reports_and_the_scheduler_knows_them() -> 
     assert awaited(True, cluster({"w0": False, "w1": False}, 2), own, 3) == [
         "1 more workers to report"]
     assert awaited(False, None, own, 2) == ["the edge", "the metrics service"]
+    # One replica's stats are in, but the others are still catching up with the cluster.
+    ready = cluster({"w0": False, "w1": False}, 2)
+    assert awaited(True, ready, own, 2, routing=1, schedulers=3) == [
+        "scheduler replicas to route (1/3)"]
+    assert awaited(True, ready, own, 2, routing=3, schedulers=3) == []
 
 
 def test_last_log_line_drops_the_log_prefix_and_splits_progress_bars(tmp_path: Path) -> None:
