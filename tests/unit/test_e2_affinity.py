@@ -325,6 +325,53 @@ def test_interference_can_count_what_was_routed_since_the_last_report() -> None:
     assert costs[True][0] == pytest.approx(2.5 * costs[True][1], rel=0.05)
 
 
+def _short_beside_a_document(ratio: float, doc: bool = True, blocks: int = 40) -> str:
+    """w1 did earlier work (its window load, nothing in flight), w0 decodes two short
+    requests, w2 was just sent a long cold document (or nothing, ``doc`` False). Where
+    does a short cold request of ``blocks`` blocks go (w2 excluded)?"""
+    from prefixmesh.shared.wire import RequestDoneEvent
+
+    p = make(3, PolicyConfig(interference_mix_ratio=ratio, imbalance_ratio=1.1))
+    for i in range(8):
+        p.route(req(f"old{i}", toks(i, 120), exclude={"w0", "w2"}), 0.01 * i)
+        p.on_done(RequestDoneEvent(request_id=f"old{i}", worker_id="w1",
+                                   completion_tokens=64), 2.1)
+    for i in range(2):
+        p.route(req(f"s{i}", toks(10 + i, 4), exclude={"w1", "w2"}), 2.2)
+    if doc:
+        p.route(req("doc", toks(99, 1250), exclude={"w0", "w1"}), 2.3)
+    assert p.worker_state("w0").inflight == 2 and p.worker_state("w1").inflight == 0
+    return p.route(req("short", toks(50, blocks), exclude={"w2"}), 2.4).worker_id
+
+
+def test_a_short_request_beside_long_documents_is_not_charged_interference() -> None:
+    # Charged interference, the short request avoids w0's two decoding sequences...
+    assert _short_beside_a_document(0.0) == "w1"
+    assert _short_beside_a_document(10.0, doc=False) == "w1"  # no long prefill lately
+    # ... but under a tenth of the document's prefill, it is priced without it and joins
+    # them: w1's earlier work makes it the dearer worker, and it stays free of decodes.
+    assert _short_beside_a_document(10.0) == "w0"
+    # A prompt of 200 blocks is not short next to the document (it would be under 1/1).
+    assert _short_beside_a_document(10.0, blocks=200) == "w1"
+    assert _short_beside_a_document(1.0, blocks=200) == "w0"
+
+
+def test_recent_max_keeps_the_largest_value_of_its_horizon() -> None:
+    from prefixmesh.services.scheduler.policies.e2_load import RecentMax
+
+    m = RecentMax(10.0)
+    assert m.get(0.0) == 0.0
+    for t, v in ((0.0, 3.0), (1.0, 1.0), (2.0, 2.0), (5.0, 0.5)):
+        m.add(t, v)
+    assert m.get(5.0) == 3.0
+    assert m.get(10.5) == 2.0  # 3.0 (at 0) left the horizon; 2.0 (at 2) is the largest
+    assert m.get(12.5) == 0.5
+    assert m.get(15.5) == 0.0
+    m.add(16.0, 4.0)
+    m.clear()
+    assert m.get(16.0) == 0.0
+
+
 # --------------------------------------------------------------------------- explore wait
 
 

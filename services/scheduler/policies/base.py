@@ -150,6 +150,20 @@ class PolicyConfig:
     # the requests just sent there, the ones a long prefill would land on, are missing
     # (docs/sim-results.md, placement suite: 32 of 36 points within 3% against 28).
     interference_inflight: bool = True
+    # A request explored with a prefill under 1/this of the longest prefill routed in the
+    # last interference_mix_window_s seconds, that one at least interference_mix_min_s
+    # long, is priced without the interference term. In a mix of long cold documents and
+    # short requests, a short prefill's interference is small next to a document's, and
+    # charging it spreads the short requests over every idle worker: then no worker is
+    # left without decoding sequences when a document arrives, and each document's
+    # seconds of prefill stall some short request's decode. Without long prefills in the
+    # window the term applies as before. Off (0) by default: with 10 the placement suite's
+    # tails improve below saturation, but E2's average lead on the documents' mixes
+    # shrinks and a sustained overload's average is worse (docs/sim-results.md, placement
+    # suite, "Short requests beside long documents").
+    interference_mix_ratio: float = 0.0
+    interference_mix_window_s: float = 10.0
+    interference_mix_min_s: float = 1.0
     # The tree models a worker's eviction at routing (LRU over what was routed there, by
     # its KV capacity) for a worker that sends no KV events, and for one that does while
     # its latest load report says its requests waited less than this long in its queue

@@ -36,7 +36,7 @@ from prefixmesh.services.scheduler.policies.base import (
 )
 from prefixmesh.services.scheduler.policies.costs import CostTables
 from prefixmesh.services.scheduler.policies.e2_cost import LoadCost
-from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, WorkerState
+from prefixmesh.services.scheduler.policies.e2_load import LoadWindow, RecentMax, WorkerState
 from prefixmesh.services.scheduler.policies.e2_replicate import Replicator
 from prefixmesh.services.scheduler.prefix_tree import Node, PrefixTree
 from prefixmesh.shared.costmodel import CostModel
@@ -96,6 +96,10 @@ class E2Policy:
         self._gpu_step = config.gpu_step_weight
         self._aging = config.inflight_aging
         self._model_eviction_queue_s = config.model_eviction_queue_s
+        # The longest prefills charged lately (interference_mix_*).
+        self._mix_ratio = config.interference_mix_ratio
+        self._mix_min_s = config.interference_mix_min_s
+        self._long_prefill = RecentMax(config.interference_mix_window_s)
         # Cost tables per profile named in load reports (a fleet mixing GPU types).
         self._profile_tables: dict[str, CostTables] = {cost.name: self.tables}
 
@@ -298,15 +302,20 @@ class E2Policy:
 
     def costs(self, req: RouteInput, now: float) -> dict[str, float]:
         """The full cost ``route`` compares (load term, ``M``, ``P``, prefill backlog,
-        interference) of every eligible worker for ``req``, without routing it (for audits
-        of single decisions: loadgen/route_audit.py)."""
+        interference as an explored request is charged it) of every eligible worker for
+        ``req``, without routing it (for audits of single decisions: loadgen/route_audit.py)."""
         terms = self.explain(req, now)  # also expires the window and begins pricing
         price = self.price
         price.now, price.out = now, self._expected_output(req)
         node, m = self.tree.match(req.block_hashes)
         depths = self.tree.cached_depths(node, m) if m else {}
         prompt = max(req.prompt_tokens, len(req.block_hashes) * self.block)
-        return {w: price.cost(self._ws[w], depths.get(w, 0), prompt) for w in terms}
+        interference = price.interference
+        if self._short_in_mix(prompt, max(depths.values(), default=0), now):
+            price.interference = 0.0  # as an explored request is priced
+        out = {w: price.cost(self._ws[w], depths.get(w, 0), prompt) for w in terms}
+        price.interference = interference
+        return out
 
     def _exploit(
         self,
@@ -387,7 +396,12 @@ class E2Policy:
         order = ws_list[rot:] + ws_list[:rot]
         get = depths.get
         cached = [get(ws.id, 0) for ws in order] if depths else [0] * len(order)
-        i, best_cost = self.price.cheapest(order, cached, prompt)
+        price = self.price
+        interference = price.interference
+        if self._short_in_mix(prompt, max(cached), now):
+            price.interference = 0.0
+        i, best_cost = price.cheapest(order, cached, prompt)
+        price.interference = interference
         best, got = order[i], cached[i]
         if self._explore_wait:
             best, got = self._bound_wait(order, cached, prompt, now, best, got)
@@ -402,6 +416,19 @@ class E2Policy:
                 pd.pd_used = True
                 return pd, "pd_balance", pd_got
         return best, "explore", got
+
+    def _short_in_mix(self, prompt: int, cached_blocks: int, now: float) -> bool:
+        """Whether R's prefill (on the default GPU, after the most any worker caches of it)
+        is under 1/``interference_mix_ratio`` of the longest prefill charged lately, and that
+        one at least ``interference_mix_min_s`` long: then R is priced without the
+        interference term (PolicyConfig)."""
+        if not self._mix_ratio:
+            return False
+        longest = self._long_prefill.get(now)
+        if longest < self._mix_min_s:
+            return False
+        own = self.price.pt(self.tables, prompt - cached_blocks * self.block, 0)
+        return own * self._mix_ratio < longest
 
     def _bound_wait(self, order: list[WorkerState], cached: list[int], prompt: int,
                     now: float, best: WorkerState, got: int) -> tuple[WorkerState, int]:
@@ -546,6 +573,8 @@ class E2Policy:
             tree.evict_lru(ws.id, over, protect=leaf)
         prefill = self.price.pt(ws.tables or self.tables, prompt - got * self.block, got)
         ws.busy_until = (ws.busy_until if ws.busy_until > now else now) + prefill
+        if self._mix_ratio:
+            self._long_prefill.add(now, prefill)
         self.window.add(now, ws, leaf, rid, prefill, prompt, out)
 
     # ------------------------------------------------------------------ feedback
@@ -659,6 +688,7 @@ class E2Policy:
         or they already read on ``now``'s clock."""
         for ws in self._ws.values():  # priced on their GPUs before any load report
             self._price_steps(ws, 0.0)
+        self._long_prefill.clear()  # times of the state replaced
         if now is None:
             self._rebase = True
             return

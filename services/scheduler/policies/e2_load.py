@@ -71,6 +71,32 @@ class QueueTrend:
         self.old = deque((t + delta, q) for t, q in self.old)
 
 
+class RecentMax:
+    """The largest value added in the last ``horizon_s`` seconds (a monotonic deque: each
+    value is kept only while no larger one came after it)."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._q: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, value: float) -> None:
+        q = self._q
+        while q and q[-1][1] <= value:
+            q.pop()
+        q.append((now, value))
+
+    def get(self, now: float) -> float:
+        """The largest value added since ``now - horizon_s`` (0 when none was)."""
+        q = self._q
+        cut = now - self.horizon_s
+        while q and q[0][0] < cut:
+            q.popleft()
+        return q[0][1] if q else 0.0
+
+    def clear(self) -> None:
+        self._q.clear()
+
+
 class WorkerState:
     """Everything E2 tracks about one worker."""
 
