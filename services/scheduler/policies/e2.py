@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from operator import attrgetter
 
 from prefixmesh.services.scheduler.policies import e2_state
@@ -311,7 +311,7 @@ class E2Policy:
         depths = self.tree.cached_depths(node, m) if m else {}
         prompt = max(req.prompt_tokens, len(req.block_hashes) * self.block)
         interference = price.interference
-        if self._short_in_mix(prompt, max(depths.values(), default=0), now):
+        if self._short_in_mix(prompt, depths.values(), now):
             price.interference = 0.0  # as an explored request is priced
         out = {w: price.cost(self._ws[w], depths.get(w, 0), prompt) for w in terms}
         price.interference = interference
@@ -398,7 +398,7 @@ class E2Policy:
         cached = [get(ws.id, 0) for ws in order] if depths else [0] * len(order)
         price = self.price
         interference = price.interference
-        if self._short_in_mix(prompt, max(cached), now):
+        if self._short_in_mix(prompt, cached, now):
             price.interference = 0.0
         i, best_cost = price.cheapest(order, cached, prompt)
         price.interference = interference
@@ -417,17 +417,17 @@ class E2Policy:
                 return pd, "pd_balance", pd_got
         return best, "explore", got
 
-    def _short_in_mix(self, prompt: int, cached_blocks: int, now: float) -> bool:
-        """Whether R's prefill (on the default GPU, after the most any worker caches of it)
-        is under 1/``interference_mix_ratio`` of the longest prefill charged lately, and that
-        one at least ``interference_mix_min_s`` long: then R is priced without the
-        interference term (PolicyConfig)."""
+    def _short_in_mix(self, prompt: int, cached_blocks: Iterable[int], now: float) -> bool:
+        """Whether R's prefill (on the default GPU, after the most any worker caches of it,
+        ``cached_blocks`` per worker) is under 1/``interference_mix_ratio`` of the longest
+        prefill charged lately, and that one at least ``interference_mix_min_s`` long: then
+        R is priced without the interference term (PolicyConfig). Off, it costs nothing."""
         if not self._mix_ratio:
             return False
         longest = self._long_prefill.get(now)
         if longest < self._mix_min_s:
             return False
-        own = self.price.pt(self.tables, prompt - cached_blocks * self.block, 0)
+        own = self.price.pt(self.tables, prompt - max(cached_blocks, default=0) * self.block, 0)
         return own * self._mix_ratio < longest
 
     def _bound_wait(self, order: list[WorkerState], cached: list[int], prompt: int,
