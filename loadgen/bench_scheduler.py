@@ -8,7 +8,9 @@ load reports and ``tick``. Block hashes are computed before timing: the edge com
 them, not the scheduler.
 
 Output (docs/design.md section 11): ``{"workload", "workers", "policy", "decisions_per_s", "p50_us",
-"p99_us"}``.
+"p99_us"}``, plus ``feedback_us_per_decision``: what the policy spent on the untimed
+feedback (KV events, completions, load reports, ticks) over the timed part, per timed
+decision (both replicas' with ``--remote``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ DEFAULT_RATE = {"toolbench": 160.0, "videoqa": 48.0}  # requests per second, 16 
 LOAD_REPORT_S = 0.25
 TICK_S = 0.1
 SERVICE_S_PER_OUTPUT = 0.03  # seconds per output token a simulated request takes
+# The feedback the policy gets between decisions, timed apart from them.
+FEEDBACK = ("kv_events", "done", "load", "tick")
 KV_DELAY_S = 0.05  # routing -> BlockStored delay (prefill time)
 
 
@@ -221,6 +225,9 @@ class _Cluster:
     def __init__(self, policy: GlobalPolicy | _Mirrored, workers: list[str],
                  capacity_blocks: int) -> None:
         self.policy = policy
+        # Nanoseconds the policy spent on each kind of feedback (``clock``: set by the run).
+        self.clock = time.perf_counter_ns
+        self.spent = dict.fromkeys(FEEDBACK, 0)
         self.capacity = capacity_blocks
         # Per worker: last hash of a segment -> its hashes, least recently used first.
         self.caches: dict[str, OrderedDict[int, list[int]]] = {w: OrderedDict() for w in workers}
@@ -270,7 +277,9 @@ class _Cluster:
             self.used[worker] -= len(seg)
             events.append(BlockRemoved(seg))
         if events:
+            t0 = self.clock()
             self.policy.on_kv_events(worker, events, now)
+            self.spent["kv_events"] += self.clock() - t0
 
     def advance(self, now: float) -> None:
         """Deliver everything due by ``now``."""
@@ -280,7 +289,9 @@ class _Cluster:
             if isinstance(ev, RequestDoneEvent):
                 self.busy[ev.worker_id] -= 1
                 if ev.worker_id in self.policy.workers:
+                    t0 = self.clock()
                     self.policy.on_done(ev, t)
+                    self.spent["done"] += self.clock() - t0
             else:
                 worker, br = ev
                 if worker in self.policy.workers:
@@ -289,11 +300,14 @@ class _Cluster:
             self._reports(self.next_report)
             self.next_report += LOAD_REPORT_S
         while self.next_tick <= now:
+            t0 = self.clock()
             self.policy.tick(self.next_tick)
+            self.spent["tick"] += self.clock() - t0
             self.next_tick += TICK_S
 
     def _reports(self, t: float) -> None:
         # Decode tokens: one per running request per step (~10 steps per report period).
+        t0 = self.clock()
         for w, busy in self.busy.items():
             decode = busy * 10
             prefill = self.prefill[w]
@@ -305,6 +319,7 @@ class _Cluster:
                                 decode_share=share),
                 t,
             )
+        self.spent["load"] += self.clock() - t0
 
 
 def _setup(policy: str, workers: int, config: PolicyConfig | None, profile: str,
@@ -403,7 +418,10 @@ def run_bench(
     times: list[int] = []
     applied: list[int] = []
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
+    cluster.clock = clock
     for i in range(warmup + requests):
+        if i == warmup:
+            cluster.spent = dict.fromkeys(FEEDBACK, 0)
         br = next(stream)
         cluster.advance(br.t)
         t0 = clock()
@@ -428,7 +446,11 @@ def run_bench(
     per_s, p50, p99 = _quantiles(times)
     out = {"workload": workload, "workers": workers, "policy": policy,
            "decisions_per_s": per_s, "p50_us": p50, "p99_us": p99,
-           "clock": "cpu" if cpu_clock else "wall"}
+           "clock": "cpu" if cpu_clock else "wall",
+           # What the policy spent on the cluster's feedback (KV events, completions, load
+           # reports, ticks) over the timed part, per timed decision.
+           "feedback_us_per_decision": {k: round(ns / 1e3 / max(requests, 1), 2)
+                                        for k, ns in cluster.spent.items()}}
     if applied:
         applied.sort()
         per_s, p50, p99 = _quantiles(applied)

@@ -1,5 +1,7 @@
-"""Why the prefix tree's block index is sharded (docs/benchmarks.md): the slowest insert
-into a million block hashes under steady churn, in one dict against ``--shards`` dicts.
+"""Why the prefix tree's block index is not one dict (docs/benchmarks.md): the slowest
+insert into a million block hashes under steady churn, in one dict against ``--shards``
+dicts, and in the tree's own index (``block_index.BlockIndex``: generations, dead nodes
+forgotten lazily).
 
 CPython reclaims a dict's deleted slots only when it rebuilds the whole table, once the
 inserts have used up its free entries; routing adds hashes and the tree's budget drops
@@ -15,6 +17,8 @@ import gc
 import random
 import time
 from collections.abc import Sequence
+
+from prefixmesh.services.scheduler.block_index import BlockIndex
 
 
 def slowest_insert(shards: int, held: int, batch: int, rounds: int, seed: int) -> float:
@@ -36,6 +40,37 @@ def slowest_insert(shards: int, held: int, batch: int, rounds: int, seed: int) -
         while len(order) > held:
             h = order.popleft()
             del index[h % shards][h]
+    return worst
+
+
+class _Node:
+    """What ``BlockIndex`` needs of a tree node."""
+
+    __slots__ = ("hashes", "alive")
+
+    def __init__(self, hashes: tuple[int, ...]) -> None:
+        self.hashes, self.alive = hashes, True
+
+
+def slowest_insert_generations(held: int, batch: int, rounds: int, seed: int) -> float:
+    """``slowest_insert`` for the tree's ``BlockIndex``: each insert is one node's
+    ``put`` and a ``trim`` step (timed together); the oldest node dies (untimed: marking
+    it is all the tree does)."""
+    rng = random.Random(seed)
+    index: BlockIndex[_Node] = BlockIndex()
+    order: collections.deque[_Node] = collections.deque()
+    fill = held // batch
+    worst = 0.0
+    for i in range(fill + rounds):
+        node = _Node(tuple(rng.getrandbits(63) for _ in range(batch)))
+        t = time.perf_counter()
+        index.put(node.hashes, node)
+        index.trim(len(order) * batch + batch)
+        if i >= fill:
+            worst = max(worst, time.perf_counter() - t)
+        order.append(node)
+        while len(order) * batch > held:
+            order.popleft().alive = False
     return worst
 
 
@@ -68,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst = slowest_insert(n, args.held, args.batch, args.rounds, args.seed)
         print(f"{n} dict(s), {args.held:,} hashes under churn: slowest insert of "
               f"{args.batch} hashes {worst * 1e3:.2f} ms", flush=True)
+    worst = slowest_insert_generations(args.held, args.batch, args.rounds, args.seed)
+    print(f"generations (BlockIndex), {args.held:,} hashes under churn: slowest insert of "
+          f"{args.batch} hashes {worst * 1e3:.2f} ms", flush=True)
     return 0
 
 

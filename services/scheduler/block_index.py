@@ -1,48 +1,117 @@
-"""Block hash -> the prefix tree's node holding it, in shards so that no insert stalls
-routing.
+"""Block hash -> the prefix tree's node holding it: written a node at a time into
+generations, forgotten lazily, so that neither routing's inserts nor the budget's
+evictions stall it or touch every evicted block.
 
-The tree indexes every block hash it holds (KV events name blocks by hash alone). In one
-dict of hundreds of thousands of hashes under steady churn (routing adds a request's new
-blocks, the budget's eviction drops old ones), CPython reclaims the slots of deleted keys
-only by rebuilding the whole table once its free entries run out, with routing stopped
-meanwhile. Spread over 256 dicts by the hash's low bits, each rebuild moves 1/256 of the
-entries (``loadgen/index_churn.py`` times both; docs/benchmarks.md).
+The tree indexes every block hash it holds (KV events name blocks by hash alone):
+hundreds of thousands under steady churn (routing adds a request's new blocks, the
+budget's eviction drops old ones). In one plain dict that churn has two costs:
+
+- CPython reclaims the slots of deleted keys only by rebuilding the whole table once its
+  free entries run out, with routing stopped meanwhile (tens of milliseconds at a million
+  hashes: ``loadgen/index_churn.py``);
+- deleting an evicted node's hashes one by one reads memory untouched since the node was
+  routed, a cache miss or more per block, on every decision.
+
+So a node's hashes go into the newest of a list of dicts (a generation of at most
+``GEN_ENTRIES``) in one C-level ``update``; nothing is deleted when a node dies; a lookup
+takes the newest entry of a hash and returns its node if that is still alive. Once the
+entries exceed twice the blocks the tree holds, ``trim`` retires the oldest generation, a
+step at a time (``TRIM_STEP`` entries scanned or nodes re-put per call, so no call stalls
+routing): it collects the generation's nodes, writes the still-live ones into the newest
+generation (their hashes, from the node itself), then drops it.
+
+Why the newest entry is right: a block hash is held by one live node at most (the hashes
+chain the whole prefix), and a node comes to hold a hash only by being created with it
+or split off with it, each followed by a ``put``; a node's hashes never grow. So the
+newest entry names the hash's holder, or a node that has died since (no holder).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Generic, TypeVar
+from collections.abc import Iterable, Iterator
+from itertools import islice, repeat
+from typing import Generic, Protocol, TypeVar
 
-SHARD_BITS = 8
-SHARD_MASK = (1 << SHARD_BITS) - 1
+# Entries of one generation: dropping or trimming one is a C-level pass over this many
+# (about a quarter of a millisecond); a lookup that misses probes every generation.
+GEN_ENTRIES = 1 << 15
+# Entries scanned, or nodes re-put, by one ``trim`` call at most.
+TRIM_STEP = 8192
 
-N = TypeVar("N")
+
+class Held(Protocol):
+    """What the index needs of a node: whether it is alive, and its hashes."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def hashes(self) -> tuple[int, ...]: ...
+
+
+N = TypeVar("N", bound=Held)
 
 
 class BlockIndex(Generic[N]):
-    """A dict from block hash to node, sharded by the hash's low ``SHARD_BITS`` bits.
-    ``shards`` is public for hot loops (``shards[h & SHARD_MASK].get(h)``)."""
+    """Block hash -> live node, in generations oldest first (``gens[-1]`` is written)."""
 
-    __slots__ = ("shards",)
+    __slots__ = ("gens", "_older", "_scan", "_found", "_live")
 
     def __init__(self) -> None:
-        self.shards: list[dict[int, N]] = [{} for _ in range(SHARD_MASK + 1)]
+        self.gens: list[dict[int, N]] = [{}]
+        self._older = 0  # entries in every generation but the newest
+        # Retiring ``gens[0]``: what of its values is left to scan and the nodes found so
+        # far, then the live ones left to re-put, last first (None: not retiring).
+        self._scan: Iterator[N] | None = None
+        self._found: set[N] = set()
+        self._live: list[N] | None = None
 
     def get(self, block_hash: int) -> N | None:
-        return self.shards[block_hash & SHARD_MASK].get(block_hash)
+        """The live node holding ``block_hash``, if any."""
+        for gen in reversed(self.gens):
+            node = gen.get(block_hash)
+            if node is not None:
+                return node if node.alive else None
+        return None
 
     def put(self, hashes: Iterable[int], node: N) -> None:
-        """Point each of ``hashes`` at ``node``."""
-        shards = self.shards
-        for h in hashes:
-            shards[h & SHARD_MASK][h] = node
+        """Point each of ``hashes`` at ``node`` (which now holds them)."""
+        gen = self.gens[-1]
+        gen.update(zip(hashes, repeat(node)))
+        if len(gen) >= GEN_ENTRIES:
+            self._older += len(gen)
+            self.gens.append({})
 
-    def discard(self, hashes: Iterable[int]) -> None:
-        """Forget ``hashes`` (those not held are skipped)."""
-        shards = self.shards
-        for h in hashes:
-            shards[h & SHARD_MASK].pop(h, None)
+    def trim(self, held: int) -> None:
+        """One step of retiring the oldest generation, if the entries exceed twice
+        ``held`` (the blocks the tree holds) by more than a generation. A step scans
+        ``TRIM_STEP`` entries, or re-puts about that many hashes of live nodes.
+        ``PrefixTree`` calls this after putting about half a step, so a generation of
+        mostly dead nodes is retired faster than the puts fill a new one."""
+        if self._scan is None and self._live is None:
+            if len(self.gens) == 1 or len(self) <= 2 * held + GEN_ENTRIES:
+                return
+            self._scan = iter(self.gens[0].values())  # gens[0] is no longer written
+        if self._scan is not None:
+            chunk = list(islice(self._scan, TRIM_STEP))
+            self._found.update(chunk)
+            if len(chunk) == TRIM_STEP:
+                return
+            self._scan = None
+            self._live = [n for n in self._found if n.alive]
+            self._found = set()
+        live = self._live
+        assert live is not None
+        budget = TRIM_STEP
+        while live and budget > 0:
+            node = live.pop()
+            if node.alive:
+                self.put(node.hashes, node)
+                budget -= len(node.hashes)
+        if not live:
+            self._live = None
+            self._older -= len(self.gens.pop(0))
 
     def __len__(self) -> int:
-        return sum(map(len, self.shards))
+        """Entries held, those of dead nodes included."""
+        return self._older + len(self.gens[-1])

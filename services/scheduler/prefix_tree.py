@@ -18,9 +18,11 @@ cached node.
 
 A hash -> node index serves KV events (BlockStored / BlockRemoved name blocks by hash).
 Routing never reads it: index updates and pruning are queued and applied by ``flush``
-(before the next index lookup, or in ``maintain``), so inserting or dropping a 600-block
-video prefix costs the routing path nothing. A node/token budget bounds memory under an
-endless stream of unique prompts: ``maintain`` drops least recently accessed leaves.
+(before the next index lookup, once enough wait, or in ``maintain``), and a dropped
+node's entries are forgotten lazily (``block_index.py``), so inserting or dropping a
+600-block video prefix costs the routing path one C-level update at most. A node/token
+budget bounds memory under an endless stream of unique prompts: ``maintain`` drops least
+recently accessed leaves.
 
 Persistence comes in two forms. ``snapshot``/``restore`` encode the whole tree at once
 (tests, the simulator). The scheduler service instead persists incrementally: with
@@ -47,7 +49,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 
-from prefixmesh.services.scheduler.block_index import SHARD_MASK, BlockIndex
+from prefixmesh.services.scheduler.block_index import BlockIndex
 from prefixmesh.shared.blocks import BLOCK_SIZE
 from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -515,20 +517,26 @@ class PrefixTree:
         if self._index_q:
             self.flush()
         hit: dict[Node, set[int]] = {}
-        shards = self._index.shards
-        # Evictions name long runs of one node's blocks: look each node's caching set up
-        # once per run, not once per block.
+        get = self._index.get
+        # Evictions name long runs of one node's blocks: a block that continues the run
+        # of the last one found needs no lookup, and each node's caching set is looked
+        # up once per run, not once per block.
         last: Node | None = None
+        nxt = 0  # position in last.hashes after the block found last
         gone: set[int] | None = None
         for h in hashes:
-            node = shards[h & SHARD_MASK].get(h)
-            if node is None:
-                continue
-            if node is not last:
-                last = node
-                gone = hit.get(node)
-                if gone is None and worker in node.workers:
-                    gone = hit[node] = set()
+            if last is not None and nxt < len(last.hashes) and last.hashes[nxt] == h:
+                nxt += 1
+            else:
+                node = get(h)
+                if node is None:
+                    continue
+                nxt = node.hashes.index(h) + 1
+                if node is not last:
+                    last = node
+                    gone = hit.get(node)
+                    if gone is None and worker in node.workers:
+                        gone = hit[node] = set()
             if gone is not None:
                 gone.add(h)
         for node in sorted(hit, key=lambda n: n.start):
@@ -632,6 +640,7 @@ class PrefixTree:
         for n in q:
             if n.alive:
                 put(n.hashes, n)
+        self._index.trim(self.n_blocks)
 
     def flush(self) -> None:
         """Apply queued index updates, then remove unused nodes: no cacher, no request in
@@ -663,7 +672,6 @@ class PrefixTree:
         del parent.children[node.hashes[0]]
         if not parent.children and parent is not self.root:
             heapq.heappush(self._lru, (parent.last_access, parent.nid, parent))
-        self._index.discard(node.hashes)
         for w in node.workers:
             self._wlru[w].pop(node, None)
             self.worker_blocks[w] -= len(node.hashes)

@@ -163,6 +163,32 @@ def test_inflight_aging_recharges_a_generation_that_outlives_its_estimate() -> N
         assert p.worker_state(w).L == pytest.approx(prefill + entry.dt_tok * 30)
 
 
+def test_inflight_aging_looks_at_a_slice_of_the_requests_in_flight_per_tick(monkeypatch) -> None:
+    # With more requests in flight than a slice, each tick ages one slice, going on where
+    # the last stopped; a request done meanwhile is skipped; every running one is aged
+    # within ceil(n / slice) ticks.
+    from prefixmesh.services.scheduler.policies import e2_load
+    from prefixmesh.shared.wire import RequestDoneEvent
+
+    monkeypatch.setattr(e2_load, "AGE_SLICE", 3)
+    p = make(2, PolicyConfig(inflight_aging=2.0))
+    for j in range(7):
+        p.route(req(f"r{j}", toks(300 + j, 4), out=10.0, max_tokens=4096), 0.0)
+    for i in range(2):
+        _report(p, f"w{i}", 0.05, 0.0)
+    entries = [p.window.by_rid[f"r{j}"] for j in range(7)]
+    p.tick(2.0)
+    assert [e.out_est > 10.0 for e in entries] == [True] * 3 + [False] * 4
+    done = entries[4]
+    p.on_done(RequestDoneEvent(request_id="r4", worker_id=done.ws.id, prompt_tokens=64,
+                               cached_tokens=0, completion_tokens=12), 2.0)
+    p.tick(2.0)
+    assert [e.out_est > 10.0 for e in entries] == [True] * 4 + [True, True, False]
+    assert done.out_est == 12.0  # its completion set it; aging left it alone
+    p.tick(2.0)
+    assert all(e.out_est > 10.0 for j, e in enumerate(entries) if j != 4)
+
+
 def test_inflight_aging_steers_new_work_off_a_worker_busy_with_long_generations() -> None:
     # w0 and w1 each got two requests estimated at 10 tokens; w1's finished with 10
     # tokens, w0's are still running 30 s later (long generations). With aging w0 costs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixmesh.services.scheduler.block_index import SHARD_MASK, BlockIndex
+from prefixmesh.services.scheduler.block_index import GEN_ENTRIES, TRIM_STEP, BlockIndex
 from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_HASHES, PrefixTree
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from tests.helpers import toks
@@ -214,16 +214,39 @@ def test_index_updates_are_applied_a_few_at_a_time_not_all_at_the_next_tick() ->
     assert all(tree.node_of(h) is not None for h in inserted)
 
 
-def test_block_index_spreads_hashes_over_shards_and_forgets_them() -> None:
-    index: BlockIndex[str] = BlockIndex()
-    hashes = [0, 1, SHARD_MASK, SHARD_MASK + 1, -1, -(2**63), 2**63 - 1, 12345678901234]
-    index.put(hashes, "a")
-    assert all(index.get(h) == "a" for h in hashes) and len(index) == len(hashes)
-    assert sum(1 for s in index.shards if s) > 1  # not all in one dict
-    index.put(hashes[:2], "b")  # re-pointed, not duplicated
-    assert index.get(0) == "b" and len(index) == len(hashes)
-    index.discard([*hashes[:4], 999])  # one never held
-    assert [index.get(h) for h in hashes[:4]] == [None] * 4 and len(index) == 4
+class _Held:
+    def __init__(self, hashes: list[int]) -> None:
+        self.hashes = tuple(hashes)
+        self.alive = True
+
+
+def test_block_index_finds_the_newest_live_holder_and_trims_old_generations() -> None:
+    index: BlockIndex[_Held] = BlockIndex()
+    hashes = [0, 1, -1, -(2**63), 2**63 - 1, 12345678901234]
+    a = _Held(hashes)
+    index.put(a.hashes, a)
+    assert all(index.get(h) is a for h in hashes) and len(index) == len(hashes)
+    b = _Held(hashes[:2])  # split off: b now holds the first two, a the rest
+    a.hashes = tuple(hashes[2:])
+    index.put(b.hashes, b)
+    assert index.get(0) is b and index.get(-1) is a and index.get(999) is None
+    b.alive = False  # dropped: its entries stay, a lookup no longer finds it
+    assert index.get(0) is None and index.get(1) is None and index.get(-1) is a
+    # Fill past several generations with nodes that die; trimming to what is held keeps
+    # the live ones (re-put from the oldest generation) and at most twice them plus one
+    # generation of entries.
+    dead = []
+    for i in range(3 * GEN_ENTRIES // 8):
+        n = _Held(list(range(10**9 + 8 * i, 10**9 + 8 * i + 8)))
+        index.put(n.hashes, n)
+        dead.append(n)
+    assert len(index.gens) >= 3
+    for n in dead[1:]:
+        n.alive = False
+    for _ in range(4 * GEN_ENTRIES // TRIM_STEP):  # one step a call
+        index.trim(held=len(a.hashes) + 8)
+    assert len(index.gens) <= 2 and len(index) <= 2 * (len(a.hashes) + 8) + GEN_ENTRIES
+    assert index.get(-1) is a and index.get(10**9) is dead[0] and index.get(10**9 + 8) is None
 
 
 def test_index_follows_the_tree_under_churn() -> None:
@@ -241,7 +264,7 @@ def test_index_follows_the_tree_under_churn() -> None:
     tree.maintain()
     held = {h: n for n in tree.nodes() for h in n.hashes}
     assert 0 < len(held) < sum(map(len, prompts))  # some were evicted
-    assert len(tree._index) == len(held)
+    assert len(tree._index) >= len(held)
     assert all(tree.node_of(h) is n for h, n in held.items())
     gone = {h for p in prompts for h in p} - held.keys()
     assert gone and all(tree.node_of(h) is None for h in gone)
@@ -342,8 +365,11 @@ def test_index_churn_benchmark_runs_and_refuses_bad_sizes(capsys) -> None:
     assert index_churn.slowest_insert(4, held=2_000, batch=10, rounds=50, seed=1) > 0
     assert index_churn.main(["--shards", "1,4", "--held", "500", "--batch", "5",
                              "--rounds", "20"]) == 0
+    assert index_churn.slowest_insert_generations(held=2_000, batch=10, rounds=50,
+                                                  seed=1) > 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[0] for ln in lines] == ["1", "4"] and all("ms" in ln for ln in lines)
+    assert [ln.split()[0] for ln in lines] == ["1", "4", "generations"]
+    assert all("ms" in ln for ln in lines)
     for bad in (["--shards", "0"], ["--shards", "a,b"], ["--batch", "0"]):
         with pytest.raises(SystemExit) as exc:
             index_churn.main(bad)

@@ -19,6 +19,10 @@ from prefixmesh.shared.wire import RequestDoneEvent
 
 # Completion records whose output counts towards the windowed average output length.
 _FINISHED = frozenset({"stop", "length"})
+# Requests in flight that one ``LoadWindow.age`` call looks at, at most: a fleet with more
+# has them looked at over several calls (ticks), so no tick stalls routing for a pass over
+# every request in flight.
+AGE_SLICE = 1024
 
 
 class QueueTrend:
@@ -198,6 +202,9 @@ class LoadWindow:
         # Incremental persistence (None: off): entries added or corrected and completions
         # (time, output tokens) recorded since the last ``take_journal``.
         self.journal: list[WindowEntry | tuple[float, int]] | None = None
+        # ``age``'s pass over the requests in flight: those it still has to look at.
+        self._aging: list[WindowEntry] = []
+        self._aged = 0
 
     def track(self, e: WindowEntry, in_flight: bool = True) -> None:
         """``e``'s request awaits its completion record until done or out of the window (one
@@ -306,10 +313,19 @@ class LoadWindow:
         steps take ``s`` seconds and whose queue holds requests ``q`` seconds has produced
         about ``(a - q - its prefill) / s`` tokens; once that exceeds the charged output,
         the charge becomes ``factor`` x it (a generation that already ran long is
-        expected to run about as long again). O(requests in flight).
+        expected to run about as long again). Looks at ``AGE_SLICE`` requests at most,
+        going on where the last call stopped (all of them when no more are in flight).
         """
+        if self._aged >= len(self._aging):
+            self._aging = list(self.by_rid.values())
+            self._aged = 0
+        todo = self._aging[self._aged : self._aged + AGE_SLICE]
+        self._aged += len(todo)
+        by_rid = self.by_rid
         light = self.light
-        for e in self.by_rid.values():
+        for e in todo:
+            if by_rid.get(e.rid) is not e:
+                continue  # done (or placed again) since this pass began
             ws = e.ws
             step = ws.avg_step_s
             if step <= 0.0 or not ws.alive:
