@@ -53,7 +53,12 @@ from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.runtime.lifecycle import TaskSet
-from prefixmesh.shared.runtime.metrics import LATENCY_BUCKETS_S, serve_metrics
+from prefixmesh.shared.runtime.metrics import (
+    DECISION_BUCKETS_S,
+    LATENCY_BUCKETS_S,
+    LoopHistogram,
+    serve_metrics,
+)
 from prefixmesh.shared.subjects import SCHEDULER_GROUP, Subjects
 from prefixmesh.shared.wire import (
     BUS_EVENT,
@@ -88,8 +93,8 @@ PLACE_ACK_TIMEOUT_S = 2.0
 # (about 1 us a node: a slice stalls routing well under a millisecond).
 STATS_SLICE_NODES = 256
 DECISIONS = Counter("prefixmesh_scheduler_decisions_total", "routing decisions by kind", ["kind"])
-DECISION_LATENCY = Histogram("prefixmesh_scheduler_decision_latency_seconds",
-                             "time to choose a worker", buckets=LATENCY_BUCKETS_S)
+DECISION_LATENCY = LoopHistogram("prefixmesh_scheduler_decision_latency_seconds",
+                                 "time to choose a worker", DECISION_BUCKETS_S)
 KV_GAPS = Counter("prefixmesh_scheduler_kv_gaps_total", "KV event sequence gaps seen")
 RESYNCS = Counter("prefixmesh_scheduler_resyncs_total", "resync requests sent to workers")
 WORKERS = Gauge("prefixmesh_scheduler_workers", "workers eligible for routing")
@@ -182,8 +187,10 @@ class SchedulerService:
         self._load_sub: Subscription | None = None
         # Decisions by kind since start, and KV-event lag over the current stats period.
         self.decisions: dict[str, int] = {}
-        # DECISIONS' child per kind (``labels()`` costs more than the increment).
+        # DECISIONS' child per kind (``labels()`` costs more than the increment), and the
+        # count of each kind added to it so far (``_export_decisions``).
         self._decision_counters: dict[str, Counter] = {}
+        self._exported: dict[str, int] = {}
         # The other replicas heard lately; this one's last hello (monotonic s).
         self.peers = Peers()
         self._hello_at = 0.0
@@ -243,6 +250,7 @@ class SchedulerService:
                 replies=[self._decide(r, told) for r in req.requests])
         else:
             reply = self._decide(req, told)
+        self._export_decisions()
         await self._tell_peers(told)
         return reply
 
@@ -290,6 +298,7 @@ class SchedulerService:
         else:
             told = self._told()
             decision = self._decide(req, told)
+            self._export_decisions()
             await self._tell_peers(told)
             worker = decision.worker_id
             if worker:
@@ -325,10 +334,19 @@ class SchedulerService:
 
     def _count(self, kind: str) -> None:
         self.decisions[kind] = self.decisions.get(kind, 0) + 1
-        counter = self._decision_counters.get(kind)
-        if counter is None:
-            counter = self._decision_counters[kind] = DECISIONS.labels(kind)
-        counter.inc()
+
+    def _export_decisions(self) -> None:
+        """Add the decisions counted since the last call to ``DECISIONS``: once a message,
+        not once a decision (the counter's increment takes a lock)."""
+        exported = self._exported
+        for kind, n in self.decisions.items():
+            done = exported.get(kind, 0)
+            if n > done:
+                counter = self._decision_counters.get(kind)
+                if counter is None:
+                    counter = self._decision_counters[kind] = DECISIONS.labels(kind)
+                counter.inc(n - done)
+                exported[kind] = n
 
     async def _on_event(self, ev: object) -> None:
         now, pnow = time.monotonic(), self.policy_now()
