@@ -179,6 +179,16 @@ def test_decode_heavy_worker_receives_the_next_cold_request():
 
 
 
+def test_equally_light_decode_heavy_workers_tie_to_the_smallest_id():
+    # Eight idle decode-dominated workers (L = 0 on each), reported in reverse order: the
+    # cold request goes to w0 whatever order the process's string hashing gives the set.
+    p = make(8)
+    for i in reversed(range(8)):
+        p.on_load(LoadReportEvent(worker_id=f"w{i}", ts=1.0, decode_share=0.9), 1.0)
+    d = p.route(req("r1", toks(2, 40)), 1.1)
+    assert (d.worker_id, d.kind) == ("w0", "pd_balance")
+
+
 @pytest.mark.parametrize("needs_room, kind", [(True, "explore"), (False, "pd_balance")])
 def test_a_decode_heavy_worker_with_a_queue_takes_no_cold_request_when_it_needs_room(
         needs_room, kind):

@@ -525,7 +525,9 @@ class E2Policy:
                 # Still prefilling what was routed there since (the decode share of a
                 # report lags by its window): not the spare prefill capacity it reports.
                 continue
-            if best is None or ws.L < best.L:
+            # Ties go to the smaller id: the set's order varies with the process's string
+            # hashing, the decision must not.
+            if best is None or ws.L < best.L or (ws.L == best.L and ws.id < best.id):
                 best = ws
         return best
 
