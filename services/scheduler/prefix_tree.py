@@ -516,34 +516,29 @@ class PrefixTree:
         their prefixes (a prefix cache cannot use a block whose parent is gone)."""
         if self._index_q:
             self.flush()
-        hit: dict[Node, set[int]] = {}
+        # Node -> the first of its blocks named (where the worker's copy is cut).
+        cut: dict[Node, int] = {}
         get = self._index.get
-        # Evictions name long runs of one node's blocks: a block that continues the run
-        # of the last one found needs no lookup, and each node's caching set is looked
-        # up once per run, not once per block.
-        last: Node | None = None
-        nxt = 0  # position in last.hashes after the block found last
-        gone: set[int] | None = None
-        for h in hashes:
-            if last is not None and nxt < len(last.hashes) and last.hashes[nxt] == h:
-                nxt += 1
-            else:
-                node = get(h)
-                if node is None:
-                    continue
-                nxt = node.hashes.index(h) + 1
-                if node is not last:
-                    last = node
-                    gone = hit.get(node)
-                    if gone is None and worker in node.workers:
-                        gone = hit[node] = set()
-            if gone is not None:
-                gone.add(h)
-        for node in sorted(hit, key=lambda n: n.start):
+        seq = hashes if isinstance(hashes, list) else list(hashes)
+        i, n = 0, len(seq)
+        while i < n:
+            h = seq[i]
+            node = get(h)
+            if node is None:
+                i += 1
+                continue
+            held = node.hashes
+            pos = held.index(h)
+            if worker in node.workers and pos < cut.get(node, pos + 1):
+                cut[node] = pos
+            # Evictions name long runs of one node's blocks: the rest of a run that
+            # continues in the node's order needs no lookup (compared as one slice).
+            k = min(len(held) - pos, n - i)
+            i += k if k > 1 and tuple(seq[i : i + k]) == held[pos : pos + k] else 1
+        for node in sorted(cut, key=lambda nd: nd.start):
             if not node.alive or worker not in node.workers:
                 continue  # already dropped with an ancestor
-            gone = hit[node]
-            off = next(i for i, h in enumerate(node.hashes) if h in gone)
+            off = cut[node]
             if off:
                 self._split(node, off)  # the new upper part stays cached
             self.drop_subtree(node, worker)

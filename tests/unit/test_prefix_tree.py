@@ -3,6 +3,8 @@ snapshots."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from prefixmesh.services.scheduler.block_index import GEN_ENTRIES, TRIM_STEP, BlockIndex
@@ -142,6 +144,34 @@ def test_block_removed_drops_the_suffix_and_descendants():
     # Removing an unknown or uncached hash is harmless.
     tree.remove_blocks("w0", [a[8], 999])
     assert tree.cached_tokens("w0") == 4 * BLOCK_SIZE
+
+
+def test_block_removed_runs_shuffles_and_spans_drop_what_one_at_a_time_would() -> None:
+    """An event's hashes in a node's order (runs), shuffled, spanning nodes, unknown ones
+    mixed in: the worker keeps what removing them one event each would leave."""
+    rng = random.Random(5)
+    base = toks(1, 6)
+    prompts = [chain(base, toks(10 + i, 4), toks(20 + i % 3, 3)) for i in range(6)]
+    for trial in range(40):
+        tree = PrefixTree()
+        for i, h in enumerate(prompts):
+            tree.touch(tree.insert(h, float(i)), "w0", float(i))
+            tree.touch(tree.insert(h, float(i)), "w1", float(i))
+        ref = PrefixTree()
+        ref.restore(tree.snapshot())
+        p = rng.choice(prompts)
+        a = rng.randrange(len(p))
+        named = p[a : a + rng.randrange(1, len(p) - a + 1)]  # a run, maybe across nodes
+        if trial % 2:
+            named = rng.sample(named, len(named)) + [999]  # shuffled, one unknown
+        tree.remove_blocks("w0", named)
+        for h in named:
+            ref.remove_blocks("w0", [h])
+        assert [tree.cached_depths(*tree.match(q)) for q in prompts] == [
+            ref.cached_depths(*ref.match(q)) for q in prompts]
+        held = (len(base) // BLOCK_SIZE + 7 * len(prompts)) * BLOCK_SIZE  # 48 blocks each
+        assert tree.cached_tokens("w0") == ref.cached_tokens("w0") < held
+        assert tree.cached_tokens("w1") == held
 
 
 def test_worker_lru_evicts_descendants_first_and_respects_protect():
