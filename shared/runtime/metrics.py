@@ -22,8 +22,10 @@ from prometheus_client.utils import floatToGoString
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-# Seconds of a scheduler's decision: tens of microseconds, a millisecond when it stalls.
-DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01)
+# Seconds of a scheduler's decision: tens of microseconds, milliseconds when it stalls
+# (bounds past 10 ms so that the slow-decisions alert's p99 > 10 ms can show).
+DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
+                      0.025, 0.1, 1.0)
 
 
 class LoopHistogram:
