@@ -224,6 +224,18 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
     }
 
 
+def _pin(procs: list[ManagedProcess], cores: list[int], schedulers: int) -> None:
+    """Scheduler ``i`` on ``cores[-1 - i]`` alone; this process and the other spawned ones
+    (nats-server, redis-server) on the cores left."""
+    rest = set(cores[:-schedulers])
+    for p in procs:
+        if p.name.startswith("scheduler-"):
+            os.sched_setaffinity(p.pid, {cores[-1 - int(p.name.split("-")[1])]})
+        else:
+            os.sched_setaffinity(p.pid, rest)
+    os.sched_setaffinity(0, rest)
+
+
 # Options naming a file or folder (none by default) and what each does (docs/benchmarks.md).
 PATH_OPTIONS = {
     "--stalls": "run it under loadgen/stalls.py: GCs, loop lag, slow steps to this file",
@@ -262,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default=PREFIX, help="subject / Redis key prefix")
     ap.add_argument("--external-scheduler", action="store_true",
                     help="a scheduler already serves --prefix on --nats-url: do not spawn one")
+    ap.add_argument("--pin", action="store_true",
+                    help="give each spawned scheduler a core of its own (the last ones) and "
+                    "this client and the servers it starts the other cores, as a deployment "
+                    "that runs the scheduler on its own core would (Linux)")
     for flag, text in PATH_OPTIONS.items():
         ap.add_argument(flag, type=Path, default=None, help=text)
     ap.add_argument("--json", default=None, help="write the result here too")
@@ -275,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                  "spawns")
     if args.stalls and args.profile:
         ap.error("--stalls and --profile each wrap the scheduler: pick one")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if args.pin and (args.external_scheduler or len(cores) <= args.schedulers):
+        ap.error(f"--pin needs spawned schedulers and more cores than them ({len(cores)} "
+                 f"usable here, {args.schedulers} scheduler(s))")
     tmp = Path(tempfile.mkdtemp(prefix="bench-live-"))
     procs: list[ManagedProcess] = []
     # Logs of spawned replicas to wait on (an older --baseline package logs no such line).
@@ -319,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop  # the client's own loop must not be the bottleneck
 
         pids = {p.name: [p.pid] for p in procs}
+        if args.pin:
+            _pin(procs, cores, args.schedulers)
         result = uvloop.run(_run(nats_url, args, pids, routing_logs))
     finally:
         for proc in reversed(procs):  # scheduler first, then the servers
@@ -330,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             if not prof.exists():
                 print(f"no profile written to {prof} (see {tmp / f'scheduler-{i}.log'})",
                       file=sys.stderr)
+    result["pinned"] = args.pin
     text = json.dumps(result)
     print(text)
     if args.json:

@@ -5,7 +5,11 @@ go back to it as workers send theirs with ``--step-ms``, none by default."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,6 +41,36 @@ def test_live_bench_refuses_a_negative_step(capsys: pytest.CaptureFixture[str]) 
         main(["--step-ms", "-1"])
     assert exc.value.code == 2
     assert "--step-ms must be at least 0" in capsys.readouterr().err
+
+
+def test_live_bench_pin_refuses_without_a_core_to_spare(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--pin", "--schedulers", str(len(os.sched_getaffinity(0)))])
+    assert exc.value.code == 2
+    assert "--pin needs spawned schedulers and more cores than them" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_pin_gives_the_scheduler_a_core_of_its_own() -> None:
+    from prefixmesh.loadgen.bench_scheduler_live import _pin
+
+    cores = sorted(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+             for _ in range(2)]
+    try:
+        named = [SimpleNamespace(name="scheduler-0", pid=procs[0].pid),
+                 SimpleNamespace(name="nats-server", pid=procs[1].pid)]
+        _pin(named, cores, 1)  # type: ignore[arg-type]
+        assert os.sched_getaffinity(procs[0].pid) == {cores[-1]}
+        assert os.sched_getaffinity(procs[1].pid) == set(cores[:-1])
+        assert os.sched_getaffinity(0) == set(cores[:-1])
+    finally:
+        os.sched_setaffinity(0, mine)
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_live_bench_profiles_the_scheduler_it_spawns(nats_server: str, redis_server: str,
