@@ -26,7 +26,7 @@ import sys
 import time
 import tracemalloc
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
@@ -240,6 +240,12 @@ class _Cluster:
         self.next_report = 0.0
         self.next_tick = 0.0
 
+    def _feed(self, kind: str, handler: Callable[..., None], *args: object) -> None:
+        """Hand the policy one piece of feedback, its time counted under ``kind``."""
+        t0 = self.clock()
+        handler(*args)
+        self.spent[kind] += self.clock() - t0
+
     def _push(self, t: float, ev: RequestDoneEvent | tuple[str, BenchRequest]) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, ev))
@@ -277,9 +283,7 @@ class _Cluster:
             self.used[worker] -= len(seg)
             events.append(BlockRemoved(seg))
         if events:
-            t0 = self.clock()
-            self.policy.on_kv_events(worker, events, now)
-            self.spent["kv_events"] += self.clock() - t0
+            self._feed("kv_events", self.policy.on_kv_events, worker, events, now)
 
     def advance(self, now: float) -> None:
         """Deliver everything due by ``now``."""
@@ -289,9 +293,7 @@ class _Cluster:
             if isinstance(ev, RequestDoneEvent):
                 self.busy[ev.worker_id] -= 1
                 if ev.worker_id in self.policy.workers:
-                    t0 = self.clock()
-                    self.policy.on_done(ev, t)
-                    self.spent["done"] += self.clock() - t0
+                    self._feed("done", self.policy.on_done, ev, t)
             else:
                 worker, br = ev
                 if worker in self.policy.workers:
@@ -300,26 +302,21 @@ class _Cluster:
             self._reports(self.next_report)
             self.next_report += LOAD_REPORT_S
         while self.next_tick <= now:
-            t0 = self.clock()
-            self.policy.tick(self.next_tick)
-            self.spent["tick"] += self.clock() - t0
+            self._feed("tick", self.policy.tick, self.next_tick)
             self.next_tick += TICK_S
 
     def _reports(self, t: float) -> None:
         # Decode tokens: one per running request per step (~10 steps per report period).
-        t0 = self.clock()
         for w, busy in self.busy.items():
             decode = busy * 10
             prefill = self.prefill[w]
             self.prefill[w] = 0
             share = decode / (decode + prefill) if decode + prefill else 0.0
-            self.policy.on_load(
-                LoadReportEvent(w, t, running=busy, total_blocks=self.capacity,
-                                free_blocks=max(self.capacity - self.used[w], 0),
-                                decode_share=share),
-                t,
-            )
-        self.spent["load"] += self.clock() - t0
+            self._feed("load", self.policy.on_load,
+                       LoadReportEvent(w, t, running=busy, total_blocks=self.capacity,
+                                       free_blocks=max(self.capacity - self.used[w], 0),
+                                       decode_share=share),
+                       t)
 
 
 def _setup(policy: str, workers: int, config: PolicyConfig | None, profile: str,

@@ -35,3 +35,12 @@ def test_remote_mode_times_a_peer_replica_learning_each_decision():
     cpu = run_bench(make_stream("toolbench", 160.0), workers=8, requests=50, warmup=10,
                     cpu_clock=True)
     assert cpu["clock"] == "cpu" and cpu["p99_us"] >= cpu["p50_us"] > 0
+
+
+def test_feedback_is_timed_apart_from_the_decisions():
+    # 2 s of virtual time at 160 req/s: completions, load reports, ticks and KV events
+    # (stored 50 ms after routing) all reach the policy during the timed part.
+    row = run_bench(make_stream("toolbench", 160.0), workers=8, requests=320, warmup=100)
+    fed = row["feedback_us_per_decision"]
+    assert set(fed) == {"kv_events", "done", "load", "tick"}
+    assert all(v > 0 for v in fed.values())
