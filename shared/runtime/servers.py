@@ -54,6 +54,9 @@ def find_binary(name: str) -> str:
 # OS hands out for bind(0) lies in that range, so an outgoing connection could take it as
 # its source port between the check and the child's bind ("address already in use").
 _FREE_PORTS = range(20000, 32000)
+# Ports this process has handed out: never handed out twice, so that a mesh choosing the
+# ports of all its services before any of them binds cannot give two the same one.
+_HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
@@ -62,16 +65,21 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive unused TCP ports on 127.0.0.1 (best effort)."""
+    """The first of ``count`` consecutive unused TCP ports on 127.0.0.1, none of them handed
+    out by this process before (best effort against other processes)."""
     rng = random.Random()
     for _ in range(200):
         first = rng.randrange(_FREE_PORTS.start, _FREE_PORTS.stop - count)
+        ports = range(first, first + count)
+        if not _HANDED_OUT.isdisjoint(ports):
+            continue
         socks: list[socket.socket] = []
         try:
-            for port in range(first, first + count):
+            for port in ports:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", port))
+            _HANDED_OUT.update(ports)
             return first
         except OSError:
             continue

@@ -67,6 +67,15 @@ def test_free_ports_lie_below_the_ephemeral_range_so_no_connection_takes_them() 
     assert first + 3 < 32768
 
 
+def test_free_ports_are_never_handed_out_twice_by_one_process() -> None:
+    # A mesh picks every service's port before any binds: a port free when checked (and
+    # released at once) must not go to a second service.
+    blocks = [free_ports(3) for _ in range(100)]
+    ports = [p for first in blocks for p in range(first, first + 3)]
+    ports += [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports) == 600
+
+
 def test_edge_ports_are_a_free_block_and_a_taken_one_is_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
     first = free_ports(3)
