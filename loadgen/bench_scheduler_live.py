@@ -66,6 +66,7 @@ from prefixmesh.shared.wire import (
     TokenizedRequest,
     route_message,
     route_replies,
+    routing_copy,
 )
 
 PREFIX = "benchlive"
@@ -143,12 +144,12 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         stream = make_stream(args.workload, None, args.seed)
         bench = [next(stream) for _ in range(args.warmup + args.requests)]
         output = {b.route.request_id: b.output_tokens for b in bench}
-        # What the edge sends the scheduler: hashes and length, no token ids.
-        msgs = [TokenizedRequest(request_id=r.request_id, token_ids=[],
-                                 sampling=SamplingParams(max_tokens=r.max_tokens),
-                                 block_hashes=list(r.block_hashes),
-                                 prompt_tokens=r.prompt_tokens)
-                for r in (b.route for b in bench)]
+        # What the edge sends the scheduler: hashes (packed) and length, no token ids.
+        msgs = [routing_copy(TokenizedRequest(
+            request_id=r.request_id, token_ids=[],
+            sampling=SamplingParams(max_tokens=r.max_tokens),
+            block_hashes=list(r.block_hashes), prompt_tokens=r.prompt_tokens))
+            for r in (b.route for b in bench)]
         del bench
         # Wait until the scheduler routes (it has seen the workers' reports).
         deadline = time.monotonic() + 60

@@ -11,10 +11,14 @@ prompts of two tenants share no block hash, and so no cache entry.
 
 from __future__ import annotations
 
+import sys
 import zlib
+from array import array
 from collections.abc import Mapping, Sequence
 
 BLOCK_SIZE = 16
+# Packed hashes are little-endian int64s, whatever this machine's order.
+_BIG_ENDIAN = sys.byteorder == "big"
 # Root of every chain for the default (empty) tenant.
 ROOT_SALT = 0x5F3759DF
 
@@ -44,6 +48,34 @@ def extend_hashes(parent: int, token_ids: Sequence[int], block_size: int = BLOCK
         parent = hash((parent,) + block)
         append(parent)
     return out
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """``hashes`` as little-endian int64s, 8 bytes each, for a message that carries them to
+    a reader that needs only some of them as ints (the scheduler's tree walk reads a few
+    of a prompt's hashes; decoding a msgpack list makes an int object of every one). b""
+    when one does not fit in a signed 64-bit int (not a prefixmesh hash: send the list)."""
+    if isinstance(hashes, array) and hashes.typecode == "q":  # unpacked ones, passed on
+        if not _BIG_ENDIAN:
+            return hashes.tobytes()
+        arr = array("q", hashes)
+    else:
+        try:
+            arr = array("q", hashes)
+        except OverflowError:
+            return b""
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_hashes(data: bytes) -> array:
+    """The int64 array over ``pack_hashes`` bytes: an int is made only where one is read."""
+    arr = array("q")
+    arr.frombytes(data)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr
 
 
 def chain_runs(parent_of: Mapping[int, int | None]) -> list[list[int]]:

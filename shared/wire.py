@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
+from prefixmesh.shared.blocks import pack_hashes
+
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
     """Base of all wire messages: tagged by class name, defaults omitted on the wire."""
@@ -143,7 +145,8 @@ class TokenizedRequest(_Msg):
 
     The scheduler needs the prompt's block hashes and length, not its tokens: the edge
     routes a copy with ``token_ids`` empty (a long prompt's ids would be most of the bytes
-    the scheduler reads), and ``prompt_tokens`` says how long the prompt is."""
+    the scheduler reads) and the hashes packed (``routing_copy``), and ``prompt_tokens``
+    says how long the prompt is."""
 
     request_id: str
     token_ids: list[int]
@@ -181,6 +184,21 @@ class TokenizedRequest(_Msg):
     # edge's other requests ready at the same time (``StreamBatch``); "" = each event on
     # its own to ``reply_to``.
     stream_batch_to: str = ""
+    # The block hashes as little-endian int64s, 8 bytes each (``blocks.pack_hashes``), in
+    # place of ``block_hashes``, on the copy the edge routes (``routing_copy``): the
+    # scheduler's tree walk reads a few of a prompt's hashes where decoding a list makes an
+    # int object of every one. A scheduler from before this field routes such a copy as
+    # if the prompt shared nothing: upgrade the schedulers before the edges.
+    packed_hashes: bytes = b""
+
+
+def routing_copy(req: TokenizedRequest) -> TokenizedRequest:
+    """What the edge asks the scheduler to route for ``req``: no token ids (the scheduler
+    reads the hashes and the length) and the hashes packed (a list where they do not pack)."""
+    packed = pack_hashes(req.block_hashes)
+    if not packed:
+        return msgspec.structs.replace(req, token_ids=[])
+    return msgspec.structs.replace(req, token_ids=[], block_hashes=[], packed_hashes=packed)
 
 
 class RouteReply(_Msg):

@@ -27,7 +27,6 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-import msgspec
 from prometheus_client import Counter
 
 from prefixmesh.services.edge.shortcuts import PLACE_BACKOFF_S, Shortcuts
@@ -58,6 +57,7 @@ from prefixmesh.shared.wire import (
     encode,
     route_message,
     route_replies,
+    routing_copy,
 )
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class MeshClient:
 
     async def _route(self, req: TokenizedRequest) -> str:
         """Ask the scheduler; while none answers, retry with backoff up to route_retry_s."""
-        route = msgspec.structs.replace(req, token_ids=[])  # it reads hashes and length
+        route = routing_copy(req)
         deadline = time.monotonic() + self.timeouts.route_retry_s
         backoff = self.timeouts.route_backoff_s
         while True:

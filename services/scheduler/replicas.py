@@ -23,11 +23,10 @@ it stays out of the routing queue group, so it never routes from an empty tree.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 
 from prefixmesh.services.scheduler.policies.base import Decision, GlobalPolicy, RouteInput
+from prefixmesh.shared.blocks import pack_hashes, unpack_hashes
 from prefixmesh.shared.wire import (
     AllBlocksCleared,
     KvEvent,
@@ -36,8 +35,6 @@ from prefixmesh.shared.wire import (
     TokenizedRequest,
 )
 
-# Packed hashes are little-endian on the wire, whatever this machine's order.
-_BIG_ENDIAN = sys.byteorder == "big"
 # Seconds between two "I am here" messages of a replica, and how many of them may be
 # missed (lost, or a stalled loop) before the others stop telling it their decisions.
 PEER_HELLO_S = 1.0
@@ -72,8 +69,9 @@ class Peers:
 
 
 def route_input(req: TokenizedRequest) -> RouteInput:
-    """What the policy needs of an edge's request."""
-    return RouteInput(request_id=req.request_id, block_hashes=req.block_hashes,
+    """What the policy needs of an edge's request (its hashes read in place when packed)."""
+    hashes = unpack_hashes(req.packed_hashes) if req.packed_hashes else req.block_hashes
+    return RouteInput(request_id=req.request_id, block_hashes=hashes,
                       prompt_tokens=req.prompt_tokens or len(req.token_ids),
                       max_tokens=req.sampling.max_tokens, tenant=req.tenant,
                       predicted_output=req.predicted_output, exclude=frozenset(req.exclude))
@@ -89,28 +87,10 @@ def routed(inp: RouteInput, d: Decision) -> RoutedRequest:
                          kind=d.kind, matched_tokens=d.matched_tokens, packed_hashes=packed)
 
 
-def pack_hashes(hashes: Sequence[int]) -> bytes:
-    """``RoutedRequest.packed_hashes`` of ``hashes``; b"" when one does not fit in 64 bits
-    (not a prefixmesh hash: sent as a list)."""
-    try:
-        arr = array("q", hashes)
-    except OverflowError:
-        return b""
-    if _BIG_ENDIAN:
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def unpack_hashes(d: RoutedRequest) -> Sequence[int]:
+def routed_hashes(d: RoutedRequest) -> Sequence[int]:
     """The block hashes of a peer's decision: an int64 array over its packed bytes (ints
     made only where read), or its list."""
-    if not d.packed_hashes:
-        return d.block_hashes
-    arr = array("q")
-    arr.frombytes(d.packed_hashes)
-    if _BIG_ENDIAN:
-        arr.byteswap()
-    return arr
+    return unpack_hashes(d.packed_hashes) if d.packed_hashes else d.block_hashes
 
 
 def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id: str,
@@ -123,7 +103,7 @@ def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id
     # per decision, as ``apply_remote_decision`` would need.
     apply = policy.apply_routed
     for d in ev.decisions:
-        apply(d, unpack_hashes(d), now)
+        apply(d, routed_hashes(d), now)
     return len(ev.decisions)
 
 

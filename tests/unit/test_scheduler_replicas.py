@@ -11,16 +11,21 @@ from prefixmesh.services.scheduler.replicas import (
     CatchUp,
     Peers,
     apply_peer_decisions,
+    route_input,
     routed,
-    unpack_hashes,
+    routed_hashes,
 )
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
 from prefixmesh.shared.wire import (
     BUS_EVENT,
+    ROUTE_REQUEST,
     AllBlocksCleared,
     BlockStored,
     RoutingDecisionsEvent,
+    SamplingParams,
+    TokenizedRequest,
     encode,
+    routing_copy,
 )
 from tests.helpers import default_cost
 
@@ -141,8 +146,29 @@ def test_a_decision_carries_its_hashes_packed_and_a_peer_reads_them_back():
     assert isinstance(got, RoutingDecisionsEvent)
     packed, listed = got.decisions
     assert packed.block_hashes == [] and len(packed.packed_hashes) == 8 * len(inp.block_hashes)
-    assert list(unpack_hashes(packed)) == inp.block_hashes
-    assert listed.packed_hashes == b"" and list(unpack_hashes(listed)) == [2**64 - 1, 5]
+    assert list(routed_hashes(packed)) == inp.block_hashes
+    assert listed.packed_hashes == b"" and list(routed_hashes(listed)) == [2**64 - 1, 5]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_routing_copy_with_packed_hashes_is_routed_as_its_list(name):
+    """The edge's packed copy and the same request with a list decide alike, and a
+    decision made from packed hashes reaches the peers with them."""
+    a, b = _policies(name, 2)
+    reqs = [_req(i) for i in range(12)]
+    for i, r in enumerate(reqs):
+        wire_req = TokenizedRequest(request_id=r.request_id, token_ids=[],
+                                    sampling=SamplingParams(max_tokens=r.max_tokens),
+                                    block_hashes=list(r.block_hashes),
+                                    prompt_tokens=r.prompt_tokens)
+        packed = route_input(ROUTE_REQUEST.decode(encode(routing_copy(wire_req))))
+        listed = route_input(wire_req)
+        assert list(packed.block_hashes) == list(listed.block_hashes) == list(r.block_hashes)
+        da, db = a.route(packed, float(i)), b.route(listed, float(i))
+        assert (da.worker_id, da.kind, da.matched_tokens) == (db.worker_id, db.kind,
+                                                              db.matched_tokens)
+        told = routed(packed, da)
+        assert told.block_hashes == [] and list(routed_hashes(told)) == list(r.block_hashes)
 
 
 @pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "e2"])

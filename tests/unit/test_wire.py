@@ -4,6 +4,7 @@ import msgspec
 import pytest
 
 from prefixmesh.shared import wire as m
+from prefixmesh.shared.blocks import unpack_hashes
 
 
 def test_worker_union_round_trip_picks_the_right_type() -> None:
@@ -26,6 +27,23 @@ def test_one_tokenized_request_is_routed_and_submitted() -> None:
     route = msgspec.structs.replace(req, token_ids=[], prompt_tokens=40)
     assert m.ROUTE_REQUEST.decode(m.encode(route)).prompt_tokens == 40
     assert len(m.encode(route)) < len(blob)
+
+
+def test_the_routing_copy_carries_the_hashes_packed_and_no_token_ids() -> None:
+    hashes = [-(2**63), -1, 0, 7, 2**63 - 1]
+    req = m.TokenizedRequest(request_id="r1", token_ids=list(range(80)),
+                             sampling=m.SamplingParams(max_tokens=5), block_hashes=hashes,
+                             prompt_tokens=80, tenant="t")
+    route = m.ROUTE_REQUEST.decode(m.encode(m.routing_copy(req)))
+    assert isinstance(route, m.TokenizedRequest)
+    assert route.token_ids == [] and route.block_hashes == []
+    assert list(unpack_hashes(route.packed_hashes)) == hashes
+    assert (route.prompt_tokens, route.tenant, route.sampling) == (80, "t", req.sampling)
+    # A hash past 64 bits (not a prefixmesh hash) keeps the list.
+    wide = msgspec.structs.replace(req, block_hashes=[2**64 - 1, 5])
+    kept = m.routing_copy(wide)
+    assert kept.packed_hashes == b"" and kept.block_hashes == [2**64 - 1, 5]
+    assert kept.token_ids == []
 
 
 def test_one_done_event_for_the_stream_and_the_done_subject() -> None:
