@@ -192,15 +192,6 @@ class TokenizedRequest(_Msg):
     packed_hashes: bytes = b""
 
 
-def routing_copy(req: TokenizedRequest) -> TokenizedRequest:
-    """What the edge asks the scheduler to route for ``req``: no token ids (the scheduler
-    reads the hashes and the length) and the hashes packed (a list where they do not pack)."""
-    packed = pack_hashes(req.block_hashes)
-    if not packed:
-        return msgspec.structs.replace(req, token_ids=[])
-    return msgspec.structs.replace(req, token_ids=[], block_hashes=[], packed_hashes=packed)
-
-
 class RouteReply(_Msg):
     request_id: str
     worker_id: str = ""
@@ -543,6 +534,15 @@ BUS_EVENT: _Decoder[BusEvent] = _Decoder(BusEvent)
 def encode(msg: msgspec.Struct) -> bytes:
     """Encode any wire message to msgpack bytes."""
     return ENCODER.encode(msg)
+
+
+def routing_copy(req: TokenizedRequest) -> TokenizedRequest:
+    """What the edge asks the scheduler to route for ``req``: no token ids (the scheduler
+    reads the hashes and the length) and the hashes packed (a list where they do not pack)."""
+    packed = pack_hashes(req.block_hashes)
+    if not packed:
+        return msgspec.structs.replace(req, token_ids=[])
+    return msgspec.structs.replace(req, token_ids=[], block_hashes=[], packed_hashes=packed)
 
 
 def route_message(requests: list[TokenizedRequest]) -> SchedulerRequest:
