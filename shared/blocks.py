@@ -70,7 +70,10 @@ def pack_hashes(hashes: Sequence[int]) -> bytes:
 
 
 def unpack_hashes(data: bytes) -> array:
-    """The int64 array over ``pack_hashes`` bytes: an int is made only where one is read."""
+    """The int64 array over ``pack_hashes`` bytes: an int is made only where one is read.
+    ValueError when ``data`` is not whole int64s."""
+    if len(data) % 8:
+        raise ValueError(f"{len(data)} bytes of packed hashes, not a multiple of 8")
     arr = array("q")
     arr.frombytes(data)
     if _BIG_ENDIAN:

@@ -317,7 +317,13 @@ class SchedulerService:
         """Route one request; its decision is appended to ``told`` (for the peers) unless
         that is None."""
         t0 = time.perf_counter()
-        inp = route_input(req)
+        try:
+            inp = route_input(req)
+        except ValueError as exc:  # packed hashes that are not whole int64s
+            ROUTE_ERRORS.labels("bad_request").inc()
+            self._count("none")
+            return RouteReply(request_id=req.request_id, error=ErrorInfo(
+                f"malformed request: {exc}", code="bad_request", param="packed_hashes"))
         try:
             d = self.policy.route(inp, self.policy_now())
         except NoWorkerError as exc:

@@ -15,7 +15,7 @@ from prefixmesh.services.edge.service import EdgeService
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
 from prefixmesh.services.worker.config import WorkerConfig
 from prefixmesh.services.worker.service import WorkerService
-from prefixmesh.shared.blocks import block_hashes
+from prefixmesh.shared.blocks import block_hashes, unpack_hashes
 from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable
 from prefixmesh.shared.models import DEFAULT_MODEL as MODEL
 from prefixmesh.shared.wire import (
@@ -128,16 +128,26 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt) -> tuple[i
 
 
 async def test_short_prompts_are_placed_in_one_hop_and_long_ones_routed(
-        mesh, nats_server: str, prefix: str) -> None:
+        bus: Bus, mesh, nats_server: str, prefix: str) -> None:
+    tap = RouteTap()
+    await bus.subscribe(bus.subjects.route, ROUTE_REQUEST, tap)
     async with running(EdgeService(_edge_cfg(nats_server, prefix))) as edge, \
             aiohttp.ClientSession() as session:
         status, body = await _complete(session, edge.url, list(range(100, 100 + PLACE_MAX)))
         assert status == 200, body
         assert edge.mesh.placed == 1
-        status, body = await _complete(session, edge.url, list(range(500, 501 + PLACE_MAX)))
+        long_prompt = list(range(500, 501 + PLACE_MAX))
+        status, body = await _complete(session, edge.url, long_prompt)
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] == PLACE_MAX + 1
         assert edge.mesh.placed == 1  # the long one took route, then submit
+    # It was routed without its token ids, its block hashes packed.
+    await eventually(lambda: len(tap.messages) == 1)
+    routed = tap.messages[0]
+    assert isinstance(routed, TokenizedRequest)
+    assert routed.token_ids == [] and routed.block_hashes == []
+    assert routed.prompt_tokens == PLACE_MAX + 1
+    assert list(unpack_hashes(routed.packed_hashes)) == block_hashes(long_prompt)
 
 
 async def test_a_scheduler_that_does_not_place_still_gets_every_request_served(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import redis.asyncio as aioredis
 
 from prefixmesh.services.scheduler.service import SchedulerConfig, SchedulerService
@@ -12,12 +13,16 @@ from prefixmesh.services.worker.service import WorkerService
 from prefixmesh.shared.blocks import block_hashes
 from prefixmesh.shared.bus import Bus, BusUnavailable
 from prefixmesh.shared.wire import (
+    ROUTE_BATCH_REPLY,
     ROUTE_REPLY,
     STREAM_EVENT,
     SUBMIT_REPLY,
     RequestDoneEvent,
+    RouteBatchReply,
+    RouteBatchRequest,
     SamplingParams,
     TokenizedRequest,
+    routing_copy,
 )
 from tests.helpers import FAST_LOAD_INTERVAL_S, eventually, running
 
@@ -126,3 +131,26 @@ async def test_state_is_persisted_to_redis_and_restored(bus, nats_server, redis_
             # r0 was routed, never run: the workers' resyncs during catch-up say nobody
             # caches doc, and the restored window still sends it to its home.
             assert (r2.worker_id, r2.decision) == (owner, "affinity")
+
+
+async def test_malformed_packed_hashes_are_refused_alone_in_their_batch(
+        bus, nats_server, redis_server, prefix):
+    """Packed hashes that are not whole int64s: that request's answer is a bad_request
+    naming the field; the others of its message are routed as usual."""
+    sched = SchedulerService(_sched_cfg(nats_server, redis_server, prefix))
+    async with running(sched), running(_worker(nats_server, prefix, "a")):
+        await eventually(lambda: set(sched.policy.workers) == {"a"})
+        good = [routing_copy(TokenizedRequest(
+            request_id=f"g{i}", token_ids=[], block_hashes=block_hashes([i] * 64),
+            prompt_tokens=64, sampling=SamplingParams(max_tokens=4))) for i in range(2)]
+        bad = msgspec.structs.replace(good[0], request_id="bad",
+                                      packed_hashes=good[0].packed_hashes[:-3])
+        reply = await bus.request(bus.subjects.route,
+                                  RouteBatchRequest(requests=[good[0], bad, good[1]]),
+                                  ROUTE_BATCH_REPLY, 5)
+    assert isinstance(reply, RouteBatchReply)
+    first, refused, second = reply.replies
+    assert first.worker_id == "a" and second.worker_id == "a"
+    assert refused.request_id == "bad" and not refused.worker_id
+    assert refused.error is not None and refused.error.code == "bad_request"
+    assert refused.error.param == "packed_hashes" and "multiple of 8" in refused.error.message

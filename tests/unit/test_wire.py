@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from prefixmesh.shared import wire as m
-from prefixmesh.shared.blocks import unpack_hashes
+from prefixmesh.shared.blocks import pack_hashes, unpack_hashes
 
 
 def test_worker_union_round_trip_picks_the_right_type() -> None:
@@ -44,6 +44,12 @@ def test_the_routing_copy_carries_the_hashes_packed_and_no_token_ids() -> None:
     kept = m.routing_copy(wide)
     assert kept.packed_hashes == b"" and kept.block_hashes == [2**64 - 1, 5]
     assert kept.token_ids == []
+
+
+def test_packed_hashes_are_little_endian_int64s_whatever_the_machine() -> None:
+    assert pack_hashes([1, -2]) == (1).to_bytes(8, "little") + (-2).to_bytes(
+        8, "little", signed=True)
+    assert list(unpack_hashes(bytes(8) + b"\xff" * 8)) == [0, -1]
 
 
 def test_one_done_event_for_the_stream_and_the_done_subject() -> None:

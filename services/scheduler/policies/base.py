@@ -25,8 +25,9 @@ class RouteInput(msgspec.Struct, frozen=True):
     """What the edge knows about a request when it asks for a worker."""
 
     request_id: str
-    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain); a
-    # peer's decision brings them as an int64 array (replicas.py), read without copying.
+    # prefixmesh block hashes of the prompt's full 16-token blocks (tenant-salted chain); the
+    # edge's routing copy and a peer's decision bring them as an int64 array over their
+    # packed bytes (replicas.py), whose ints are made only where read.
     block_hashes: Sequence[int]
     prompt_tokens: int
     max_tokens: int
