@@ -320,8 +320,7 @@ class SchedulerService:
         try:
             inp = route_input(req)
         except ValueError as exc:  # packed hashes that are not whole int64s
-            ROUTE_ERRORS.labels("bad_request").inc()
-            self._count("none")
+            ROUTE_ERRORS.labels("bad_request").inc()  # not a decision: none is counted
             return RouteReply(request_id=req.request_id, error=ErrorInfo(
                 f"malformed request: {exc}", code="bad_request", param="packed_hashes"))
         try:
