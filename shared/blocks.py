@@ -55,15 +55,10 @@ def pack_hashes(hashes: Sequence[int]) -> bytes:
     a reader that needs only some of them as ints (the scheduler's tree walk reads a few
     of a prompt's hashes; decoding a msgpack list makes an int object of every one). b""
     when one does not fit in a signed 64-bit int (not a prefixmesh hash: send the list)."""
-    if isinstance(hashes, array) and hashes.typecode == "q":  # unpacked ones, passed on
-        if not _BIG_ENDIAN:
-            return hashes.tobytes()
-        arr = array("q", hashes)
-    else:
-        try:
-            arr = array("q", hashes)
-        except OverflowError:
-            return b""
+    try:
+        arr = array("q", hashes)  # from an int64 array (unpacked ones passed on): a copy
+    except OverflowError:
+        return b""
     if _BIG_ENDIAN:
         arr.byteswap()
     return arr.tobytes()
