@@ -23,7 +23,9 @@ The client routes as the edge does (``shared/bus.py`` ``RequestBatcher``): while
 ``--route-inflight`` messages are unanswered, new requests wait and go together in the
 next one, ``--route-batch`` at most (``--route-batch 1``: one message per request). Each
 request's latency runs from its own send to its own answer. ``--in-flight`` client loops
-each send the next request as soon as theirs is answered; the prepared messages are moved
+each send the next request as soon as theirs is answered, the ``--warmup`` requests and
+the timed ones in one run (the timed part starts with its first request, the pipeline
+full and steady, not drained and refilled at once); the prepared messages are moved
 out of the garbage collector's sight (``gc.freeze``) so that the client's own collections
 do not stall it.
 """
@@ -174,24 +176,32 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
                     return await bus.request(bus.subjects.route, msg, ROUTE_REPLY, 10)
                 return await router.request(msg)
 
-            async def loop(pending: Iterator[TokenizedRequest], timed: bool) -> None:
-                for msg in pending:  # shared by every loop: each message is sent once
-                    t0 = time.perf_counter()
+            # One closed loop from the first warmup request to the last timed one: the
+            # pipeline is not drained between them (drained, it would refill with every
+            # loop's request at once, a burst the steady state never sees), and the timed
+            # part starts when its first request is taken.
+            meter: CpuMeter | None = None
+            sent, t0, wall0 = 0, 0.0, 0.0
+
+            async def loop(pending: Iterator[tuple[int, TokenizedRequest]]) -> None:
+                nonlocal meter, sent, t0, wall0
+                for i, msg in pending:  # shared by every loop: each message is sent once
+                    timed = i >= args.warmup
+                    if timed and meter is None:
+                        meter, sent = CpuMeter(pids), router.batches
+                        t0, wall0 = time.perf_counter(), time.time()
+                    start = time.perf_counter()
                     r = await route(msg)
                     if not r.worker_id:
                         raise RuntimeError(f"routing failed: {r.error}")
                     if completions is not None:
                         completions.routed(msg.request_id, r.worker_id, output[msg.request_id])
                     if timed:
-                        latencies.append(time.perf_counter() - t0)
+                        latencies.append(time.perf_counter() - start)
 
-            warm = iter(msgs[: args.warmup])
-            await asyncio.gather(*(loop(warm, False) for _ in range(args.in_flight)))
-            sent = router.batches
-            timed = iter(msgs[args.warmup:])
-            meter = CpuMeter(pids)
-            t0, wall0 = time.perf_counter(), time.time()
-            await asyncio.gather(*(loop(timed, True) for _ in range(args.in_flight)))
+            pending = enumerate(msgs)
+            await asyncio.gather(*(loop(pending) for _ in range(args.in_flight)))
+            assert meter is not None  # --requests is at least 1
             elapsed = time.perf_counter() - t0
             window = (wall0, time.time())
             cpu = meter.read()
@@ -285,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.step_ms < 0:
         ap.error("--step-ms must be at least 0 (0: no completion records)")
+    if args.requests < 1 or args.warmup < 0 or args.in_flight < 1:
+        ap.error("--requests and --in-flight must be at least 1, --warmup at least 0")
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
     if args.external_scheduler and (args.stalls or args.baseline or args.profile):

@@ -26,6 +26,11 @@ from typing import Any
 
 READY_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
+# Cores per Go thread a nats-server started here may run at once (GOMAXPROCS, unless the
+# environment sets it): Go's default, one per core, keeps idle threads spinning for work,
+# CPU time that the mesh's single-threaded Python processes beside it need on a small host
+# (docs/benchmarks.md, "nats-server's Go threads").
+NATS_CORES_PER_PROC = 8
 
 
 class ServerNotFound(RuntimeError):
@@ -198,6 +203,17 @@ def wait_port(host: str, port: int, proc: ManagedProcess, timeout: float = READY
     raise TimeoutError(f"{proc.name} did not listen on {host}:{port} within {timeout}s")
 
 
+def nats_env() -> dict[str, str]:
+    """The environment of a nats-server started here: ours, with ``GOMAXPROCS`` one per
+    ``NATS_CORES_PER_PROC`` usable cores (at least one) unless already set."""
+    env = dict(os.environ)
+    if not env.get("GOMAXPROCS"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        env["GOMAXPROCS"] = str(max(1, cores // NATS_CORES_PER_PROC))
+    return env
+
+
 def start_nats(port: int | None = None, data_dir: Path | None = None,
                log_path: Path | None = None) -> tuple[ManagedProcess, str]:
     """Start nats-server with JetStream on 127.0.0.1; returns (process, url)."""
@@ -205,7 +221,7 @@ def start_nats(port: int | None = None, data_dir: Path | None = None,
     argv = [find_binary("nats-server"), "-a", "127.0.0.1", "-p", str(port), "-js"]
     if data_dir is not None:
         argv += ["-sd", str(data_dir)]
-    proc = ManagedProcess("nats-server", argv, log_path=log_path).start()
+    proc = ManagedProcess("nats-server", argv, nats_env(), log_path).start()
     wait_port("127.0.0.1", port, proc)
     return proc, f"nats://127.0.0.1:{port}"
 
@@ -259,7 +275,7 @@ def start_nats_cluster(size: int = 3, data_dir: Path | None = None,
         if data_dir is not None:
             argv += ["-sd", str(data_dir / f"n{i}")]
         log_path = log_dir / f"nats-server-{i}.log" if log_dir is not None else None
-        nodes.append(ManagedProcess(f"nats-server-{i}", argv, log_path=log_path).start())
+        nodes.append(ManagedProcess(f"nats-server-{i}", argv, nats_env(), log_path).start())
     cluster = NatsCluster(nodes, ports, monitors)
     try:
         for i in range(size):
