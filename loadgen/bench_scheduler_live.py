@@ -220,6 +220,7 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
         "mode": "live", "in_flight": args.in_flight, "route_batch": args.route_batch,
         "route_inflight": args.route_inflight, "step_ms": args.step_ms,
         "completion_records": completions.sent if completions is not None else 0,
+        "timed_requests": len(latencies),
         "requests_per_message": round(len(latencies) / max(messages, 1), 2),
         "decisions_per_s": round(len(latencies) / elapsed, 1),
         # CPU per decision of each process: what other load on the machine does not

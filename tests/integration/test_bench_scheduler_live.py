@@ -34,6 +34,15 @@ def test_live_bench_routes_and_reports_completions(nats_server: str, redis_serve
     assert 0 < done["completion_records"] <= 450
     none = run(nats_server, redis_server, tmp_path / "b.json", "benchlive-none")  # default
     assert none["completion_records"] == 0 and none["decisions_per_s"] > 0
+    # Warmup and timed requests run as one loop: exactly --requests of them are timed.
+    assert done["timed_requests"] == none["timed_requests"] == 400
+
+
+def test_live_bench_refuses_no_timed_request(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--requests", "0"])
+    assert exc.value.code == 2
+    assert "--requests and --in-flight must be at least 1" in capsys.readouterr().err
 
 
 def test_live_bench_refuses_a_negative_step(capsys: pytest.CaptureFixture[str]) -> None:
