@@ -141,6 +141,13 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
     reporter = asyncio.create_task(_report_loop(bus, workers))
     completions = Completions(bus, args.step_ms / 1000) if args.step_ms > 0 else None
     finisher = asyncio.create_task(completions.run()) if completions is not None else None
+    # With --stalls, this client's loop is watched too (``client_loop_lag``): a late wake-up
+    # with little CPU run meanwhile is time the client waited for a core.
+    lag_out = args.stalls.open("a") if args.stalls is not None else None
+    watcher = None
+    if lag_out is not None:
+        watcher = asyncio.create_task(stalls.monitor(stalls.Recorder(lag_out, stalls.MIN_MS),
+                                                     "client_loop_lag"))
     await _all_route(logs)
     try:
         stream = make_stream(args.workload, None, args.seed)
@@ -201,16 +208,19 @@ async def _run(nats_url: str, args: argparse.Namespace, pids: dict[str, list[int
 
             pending = enumerate(msgs)
             await asyncio.gather(*(loop(pending) for _ in range(args.in_flight)))
-            assert meter is not None  # --requests is at least 1
+            if meter is None:
+                raise RuntimeError("no timed request was sent")
             elapsed = time.perf_counter() - t0
             window = (wall0, time.time())
             cpu = meter.read()
             messages = router.batches - sent if args.route_batch > 1 else len(latencies)
     finally:
-        for task in (reporter, finisher):
+        for task in (reporter, finisher, watcher):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if lag_out is not None:
+            lag_out.close()
         await bus.close()
     latencies.sort()
     sched_cpu = sum(v for k, v in cpu.items() if k.startswith("scheduler"))
@@ -250,7 +260,8 @@ def _pin(procs: list[ManagedProcess], cores: list[int], schedulers: int) -> None
 
 # Options naming a file or folder (none by default) and what each does (docs/benchmarks.md).
 PATH_OPTIONS = {
-    "--stalls": "run it under loadgen/stalls.py: GCs, loop lag, slow steps to this file",
+    "--stalls": "run it under loadgen/stalls.py: GCs, loop lag, slow steps to this file "
+                "(and this client's own loop lag, as client_loop_lag)",
     "--profile": "run each spawned scheduler under cProfile: DIR/scheduler-I.prof at its stop",
     "--baseline": "run the spawned scheduler from the prefixmesh package in this folder",
 }

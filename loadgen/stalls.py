@@ -5,8 +5,10 @@
 JSON line to FILE per event of at least ``--min-ms``:
 
 - ``{"what": "gc2", ...}``: a garbage collection of that generation (``gc.callbacks``);
-- ``{"what": "loop_lag", ...}``: a 1 ms sleep of a monitor task that ended this much late
-  (the loop was busy, or the process had no CPU);
+- ``{"what": "loop_lag", ..., "cpu_ms": C}``: a 1 ms sleep of a monitor task that ended
+  this much late, with the CPU time the thread ran from the sleep's start to its end: a
+  lag of the loop's own work has ``cpu_ms`` about ``ms`` + 1 or more, one spent waiting
+  for a core (another process had it) much less;
 - ``{"what": QUALNAME, ...}``: a call of a timed function or method (sync or async: for an
   async one, the time includes its awaits).
 
@@ -35,6 +37,8 @@ from typing import IO, Any
 
 # Seconds the loop monitor sleeps between looks.
 MONITOR_SLEEP_S = 0.001
+# Shorter events are not written (default of --min-ms).
+MIN_MS = 1.0
 
 
 class Recorder:
@@ -43,10 +47,13 @@ class Recorder:
     def __init__(self, out: IO[str], min_ms: float) -> None:
         self.out, self.min_ms = out, min_ms
 
-    def record(self, what: str, seconds: float) -> None:
+    def record(self, what: str, seconds: float, cpu_s: float | None = None) -> None:
         ms = seconds * 1e3
         if ms >= self.min_ms:
-            self.out.write(json.dumps({"t": time.time(), "what": what, "ms": round(ms, 3)}) + "\n")
+            ev: dict[str, object] = {"t": time.time(), "what": what, "ms": round(ms, 3)}
+            if cpu_s is not None:
+                ev["cpu_ms"] = round(cpu_s * 1e3, 3)
+            self.out.write(json.dumps(ev) + "\n")  # one line, one write: appends interleave
             self.out.flush()
 
 
@@ -99,12 +106,13 @@ def install_gc(rec: Recorder) -> None:
     gc.callbacks.append(on_gc)
 
 
-async def monitor(rec: Recorder) -> None:
-    """Record how late 1 ms sleeps end, as long as the loop runs."""
+async def monitor(rec: Recorder, what: str = "loop_lag") -> None:
+    """Record how late 1 ms sleeps end, and the thread's CPU time meanwhile, as long as the
+    loop runs."""
     while True:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         await asyncio.sleep(MONITOR_SLEEP_S)
-        rec.record("loop_lag", time.perf_counter() - t0 - MONITOR_SLEEP_S)
+        rec.record(what, time.perf_counter() - t0 - MONITOR_SLEEP_S, time.thread_time() - c0)
 
 
 def install_monitor(rec: Recorder) -> None:
@@ -127,7 +135,7 @@ def install_monitor(rec: Recorder) -> None:
 def summarize(path: Path, t_from: float = 0.0, t_to: float = float("inf")
               ) -> dict[str, dict[str, float]]:
     """Per kind of event in a stalls file that ended within [t_from, t_to]: count, longest
-    and total milliseconds."""
+    and total milliseconds (and, for loop lags, the total CPU the thread ran in them)."""
     out: dict[str, dict[str, float]] = {}
     for line in path.read_text().splitlines():
         ev = json.loads(line)
@@ -137,6 +145,8 @@ def summarize(path: Path, t_from: float = 0.0, t_to: float = float("inf")
         s["count"] += 1
         s["max_ms"] = max(s["max_ms"], ev["ms"])
         s["total_ms"] = round(s["total_ms"] + ev["ms"], 3)
+        if "cpu_ms" in ev:
+            s["cpu_ms"] = round(s.get("cpu_ms", 0.0) + ev["cpu_ms"], 3)
     return out
 
 
@@ -150,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True, help="JSON lines appended here")
     p.add_argument("--time", action="append", default=[], metavar="MODULE:QUALNAME",
                    help="a function or method whose calls are timed (repeatable)")
-    p.add_argument("--min-ms", type=float, default=1.0, help="shorter events are not written")
+    p.add_argument("--min-ms", type=float, default=MIN_MS, help="shorter events are not written")
     args = p.parse_args(argv[:split])
     module, *rest = argv[split + 1:]
     out = args.out.open("a")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -31,6 +32,8 @@ STOP_TIMEOUT_S = 5.0
 # CPU time that the mesh's single-threaded Python processes beside it need on a small host
 # (docs/benchmarks.md, "nats-server's Go threads").
 NATS_CORES_PER_PROC = 8
+# Where cgroup v2 is mounted (a container's CPU limit: ``usable_cores``).
+CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 class ServerNotFound(RuntimeError):
@@ -203,14 +206,33 @@ def wait_port(host: str, port: int, proc: ManagedProcess, timeout: float = READY
     raise TimeoutError(f"{proc.name} did not listen on {host}:{port} within {timeout}s")
 
 
+def usable_cores(cgroup_fs: Path | None = None) -> int:
+    """Cores this process may use: its CPU affinity, capped by the CPU quota of its cgroup
+    (v2 ``cpu.max`` under ``cgroup_fs``, default ``CGROUP_FS``, as a container's CPU limit
+    sets it), at least one."""
+    cgroup_fs = cgroup_fs or CGROUP_FS
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        own = next((ln[3:].lstrip("/") for ln in lines if ln.startswith("0::")), "")
+        cpu_max = cgroup_fs / own / "cpu.max"
+        if not cpu_max.is_file():
+            cpu_max = cgroup_fs / "cpu.max"
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):  # no cgroup v2 here, or no quota
+        pass
+    return max(1, cores)
+
+
 def nats_env() -> dict[str, str]:
     """The environment of a nats-server started here: ours, with ``GOMAXPROCS`` one per
-    ``NATS_CORES_PER_PROC`` usable cores (at least one) unless already set."""
+    ``NATS_CORES_PER_PROC`` usable cores (``usable_cores``; at least one) unless set."""
     env = dict(os.environ)
     if not env.get("GOMAXPROCS"):
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        env["GOMAXPROCS"] = str(max(1, cores // NATS_CORES_PER_PROC))
+        env["GOMAXPROCS"] = str(max(1, usable_cores() // NATS_CORES_PER_PROC))
     return env
 
 

@@ -34,7 +34,7 @@ def test_live_bench_routes_and_reports_completions(nats_server: str, redis_serve
     assert 0 < done["completion_records"] <= 450
     none = run(nats_server, redis_server, tmp_path / "b.json", "benchlive-none")  # default
     assert none["completion_records"] == 0 and none["decisions_per_s"] > 0
-    # Warmup and timed requests run as one loop: exactly --requests of them are timed.
+    # Exactly --requests are timed; the warmup's, sent in the same loop, are not.
     assert done["timed_requests"] == none["timed_requests"] == 400
 
 
