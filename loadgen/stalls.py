@@ -53,7 +53,9 @@ class Recorder:
             ev: dict[str, object] = {"t": time.time(), "what": what, "ms": round(ms, 3)}
             if cpu_s is not None:
                 ev["cpu_ms"] = round(cpu_s * 1e3, 3)
-            self.out.write(json.dumps(ev) + "\n")  # one line, one write: appends interleave
+            # A line at a time, each one write: two processes appending to one file
+            # (--stalls: the scheduler and the client) interleave whole lines.
+            self.out.write(json.dumps(ev) + "\n")
             self.out.flush()
 
 

@@ -222,7 +222,7 @@ def usable_cores(cgroup_fs: Path | None = None) -> int:
         quota, period = cpu_max.read_text().split()[:2]
         if quota != "max":
             cores = min(cores, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):  # no cgroup v2 here, or no quota
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2 here, or unreadable
         pass
     return max(1, cores)
 

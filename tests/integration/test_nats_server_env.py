@@ -42,7 +42,8 @@ def test_a_gomaxprocs_of_the_environment_is_kept(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize(("cpu_max", "cores"), [("200000 100000\n", 2), ("150000 100000\n", 2),
-                                                 ("max 100000\n", 64), ("5000 100000\n", 1)])
+                                                 ("max 100000\n", 64), ("5000 100000\n", 1),
+                                                 ("100 0\n", 64), ("garbled\n", 64)])
 def test_a_cgroup_cpu_quota_caps_the_usable_cores(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cpu_max: str, cores: int) -> None:
     monkeypatch.setattr(servers.os, "sched_getaffinity", lambda pid: set(range(64)),
