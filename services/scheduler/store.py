@@ -19,6 +19,11 @@ consistent (``PrefixTree.load_records``) and the next flush heals the rest.
 
 Times are stored in a wall-clock epoch (``offset`` = wall - monotonic, fixed per store), so
 a standby on another host maps them onto its own monotonic clock.
+
+A flush writes its commands as RESP it packs itself (``RespBatch``) on one of the client's
+pooled connections: every argument is bytes, an int or a str already, so packing is a few
+byte-string formats, where redis-py's pipeline encodes and checks each argument in Python
+(docs/benchmarks.md, "The scheduler's write-behind, measured alone").
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.typing import FieldT
+from redis.exceptions import ResponseError
 
 from prefixmesh.services.scheduler.policies.base import GlobalPolicy
 
@@ -46,8 +51,7 @@ class StoreLimits:
     slice_blocks: int = 8_192
     # Window-log items per segment (one segment is one slice).
     slice_log: int = 512
-    # Bytes queued in one pipeline before it is sent (redis-py packs a whole pipeline at
-    # once, about 2 us per argument, so big pipelines would stall the loop).
+    # Bytes queued before they are sent (and the replies read) in one write.
     pipeline_bytes: int = 64 << 10
 
 
@@ -62,6 +66,78 @@ class FlushStats:
     expired: int = 0
     bytes: int = 0
     slices: int = 0
+
+
+def _arg(a: bytes | str | int | float) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, str):
+        return a.encode()
+    return repr(a).encode()  # int or float, as redis-py writes them
+
+
+class RespBatch:
+    """Commands packed as RESP here, sent in one write and their replies read in order
+    on a connection of ``client``'s pool (what a non-transactional pipeline does, without
+    redis-py's per-argument packing). An error reply raises ``ResponseError`` once all
+    replies are read; a connection error drops the connection."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.parts: list[bytes] = []
+        self.commands = 0
+        self.bytes = 0
+
+    def command(self, *args: bytes | str | int | float) -> None:
+        parts = self.parts
+        parts.append(b"*%d\r\n" % len(args))
+        for a in args:
+            b = _arg(a)
+            parts.append(b"$%d\r\n" % len(b))
+            parts.append(b)
+            parts.append(b"\r\n")
+            self.bytes += len(b)
+        self.commands += 1
+
+    def hset(self, key: bytes, mapping: dict[int, bytes]) -> None:
+        """``HSET key field value ...`` of int fields and bytes values (the node records:
+        the hot case, packed without a call per argument)."""
+        parts = self.parts
+        parts.append(b"*%d\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n"
+                     % (2 + 2 * len(mapping), len(key), key))
+        n = len(key)
+        for field, value in mapping.items():
+            f = b"%d" % field
+            parts.append(b"$%d\r\n%s\r\n$%d\r\n" % (len(f), f, len(value)))
+            parts.append(value)
+            parts.append(b"\r\n")
+            n += len(f) + len(value)
+        self.bytes += n
+        self.commands += 1
+
+    async def send(self) -> None:
+        """Write what is queued and read every reply; the batch is empty after."""
+        if not self.commands:
+            return
+        data, count = b"".join(self.parts), self.commands
+        self.parts, self.commands, self.bytes = [], 0, 0
+        pool = self.client.connection_pool
+        conn = await pool.get_connection()
+        error: ResponseError | None = None
+        try:
+            await conn.send_packed_command(data)
+            for _ in range(count):
+                try:
+                    await conn.read_response()
+                except ResponseError as exc:  # the other replies are still to be read
+                    error = error or exc
+        except BaseException:
+            await conn.disconnect()  # replies may be left unread on it
+            raise
+        finally:
+            await pool.release(conn)
+        if error is not None:
+            raise error
 
 
 class StateStore:
@@ -135,41 +211,38 @@ class StateStore:
             changes = policy.state.take_changes()
         lim = self.limits
         offset = self.offset
-        pipe = c.pipeline(transaction=False)
-        queued = 0
+        out = RespBatch(c)
+        nodes_key = self.nodes_key.encode()
 
         async def send() -> None:
-            nonlocal pipe, queued
-            if queued:
-                await pipe.execute()
-                stats.bytes += queued
-            pipe = c.pipeline(transaction=False)
-            queued = 0
+            stats.bytes += out.bytes
+            await out.send()
 
-        # Tree nodes, a slice at a time.
-        batch: dict[FieldT, bytes] = {}  # node id -> record (FieldT: what hset takes)
-        blocks = 0
+        # Tree nodes, a slice at a time; one HSET for what is sent at once.
+        batch: dict[int, bytes] = {}  # node id -> record
+        queued = sliced = blocks = 0
         for node in changes.nodes:
             rec = policy.state.encode_node(node, offset)
             if rec is not None:
                 batch[node.nid] = rec
+                queued += len(rec)
+                sliced += 1
                 blocks += len(node.hashes)
-            if len(batch) >= lim.slice_nodes or blocks >= lim.slice_blocks:
-                pipe.hset(self.nodes_key, mapping=batch)
-                queued += sum(map(len, batch.values()))
-                stats.nodes += len(batch)
-                batch, blocks = {}, 0
+            if sliced >= lim.slice_nodes or blocks >= lim.slice_blocks:
                 stats.slices += 1
+                sliced = blocks = 0
                 if queued >= lim.pipeline_bytes:
+                    out.hset(nodes_key, batch)
+                    stats.nodes += len(batch)
+                    batch, queued = {}, 0
                     await send()
                 await asyncio.sleep(0)  # let routing run
         if batch:
-            pipe.hset(self.nodes_key, mapping=batch)
-            queued += sum(map(len, batch.values()))
+            out.hset(nodes_key, batch)
             stats.nodes += len(batch)
         gone = changes.gone
         for i in range(0, len(gone), 4096):
-            pipe.hdel(self.nodes_key, *gone[i : i + 4096])
+            out.command(b"HDEL", nodes_key, *gone[i : i + 4096])
         stats.gone = len(gone)
         # Window log: one segment per slice.
         items = changes.log
@@ -177,12 +250,11 @@ class StateStore:
             blob, newest = policy.state.encode_log(items[i : i + lim.slice_log], offset)
             seg = self._next_seg
             self._next_seg += 1
-            pipe.hset(self.log_key, seg, blob)
-            pipe.zadd(self.logidx_key, {str(seg): newest})  # the member redis stores for an int
-            queued += len(blob)
+            out.command(b"HSET", self.log_key, seg, blob)
+            out.command(b"ZADD", self.logidx_key, newest, seg)
             stats.segments += 1
             stats.slices += 1
-            if queued >= lim.pipeline_bytes:
+            if out.bytes >= lim.pipeline_bytes:
                 await send()
             await asyncio.sleep(0)
         await send()
@@ -193,12 +265,11 @@ class StateStore:
             cut = self.clock() + self.offset - window
             old = await c.zrangebyscore(self.logidx_key, "-inf", f"({cut}")
             if old:
-                pipe.hdel(self.log_key, *old)
-                pipe.zrem(self.logidx_key, *old)
+                out.command(b"HDEL", self.log_key, *old)
+                out.command(b"ZREM", self.logidx_key, *old)
                 stats.expired = len(old)
         meta = policy.state.encode_meta(offset)
-        pipe.set(self.meta_key, meta)
-        queued += len(meta)
+        out.command(b"SET", self.meta_key, meta)
         await send()
         self.last = stats
         return stats

@@ -7,11 +7,12 @@ import functools
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from prefixmesh.services.scheduler.policies import make_policy
 from prefixmesh.services.scheduler.policies.base import PolicyConfig
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
-from prefixmesh.services.scheduler.store import StateStore, StoreLimits
+from prefixmesh.services.scheduler.store import RespBatch, StateStore, StoreLimits
 from prefixmesh.shared.wire import BlockRemoved, RequestDoneEvent
 from tests.helpers import default_cost, route_input, toks
 
@@ -167,3 +168,53 @@ async def test_baseline_state_round_trips_through_the_store(client, prefix, name
     assert list(q.workers) == list(p.workers) and len(q.tree) == len(p.tree)
     probe = req("probe", toks(3, 30), toks(7, 2))
     assert q.route(probe, 3.5) == p.route(probe, 3.5)
+
+
+async def test_resp_batch_writes_what_the_commands_say(client, prefix):
+    out = RespBatch(client)
+    key = f"{prefix}:h"
+    out.hset(key.encode(), {1: b"one", 22: b"\x00\r\nbinary", 333: b""})
+    out.command(b"HSET", key, 4, "vier")
+    out.command(b"ZADD", f"{prefix}:z", 1.7e9 + 0.25, 7)
+    out.command(b"HDEL", key, 22)
+    assert out.commands == 4
+    await out.send()
+    assert out.commands == 0 and not out.parts
+    assert await client.hgetall(key) == {b"1": b"one", b"333": b"", b"4": b"vier"}
+    assert await client.zrange(f"{prefix}:z", 0, -1, withscores=True) == [(b"7", 1.7e9 + 0.25)]
+    await out.send()  # nothing queued: nothing sent
+
+
+async def test_resp_batch_error_reply_raises_after_every_reply_is_read(client, prefix):
+    await client.set(f"{prefix}:s", "a string")
+    out = RespBatch(client)
+    out.command(b"SET", f"{prefix}:before", 1)
+    out.command(b"HSET", f"{prefix}:s", 1, b"x")  # WRONGTYPE
+    out.command(b"SET", f"{prefix}:after", 2)
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await out.send()
+    # As a pipeline without a transaction: the other commands ran, and the connection,
+    # back in the pool, holds no reply of this batch that the next command would read.
+    assert await client.mget(f"{prefix}:before", f"{prefix}:after") == [b"1", b"2"]
+    assert await client.get(f"{prefix}:s") == b"a string"
+
+
+async def test_resp_batch_cancelled_mid_reply_leaves_no_reply_behind(redis_server: str,
+                                                                      prefix):
+    """A flush cancelled while its replies are still coming (the service stopping) must
+    not hand its connection back with replies unread: the next command on it would read
+    one of them as its own answer."""
+    own = aioredis.from_url(redis_server, max_connections=1)
+    try:
+        await own.set(f"{prefix}:k", "mine")
+        out = RespBatch(own)
+        out.command(b"BLPOP", f"{prefix}:empty", "0.3")  # answers nil after 0.3 s
+        out.command(b"SET", f"{prefix}:later", 1)
+        task = asyncio.create_task(out.send())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await own.get(f"{prefix}:k") == b"mine"  # not BLPOP's nil
+    finally:
+        await own.aclose()

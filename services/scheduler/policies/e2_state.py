@@ -318,6 +318,8 @@ class E2Persistence:
                  restored: Callable[[float | None], None]) -> None:
         self.parts = parts
         self.restored = restored
+        # The tree, which the policy keeps for good: a flush encodes it a node at a time.
+        self.tree = parts().tree
 
     def snapshot(self) -> bytes:
         p = self.parts()
@@ -351,7 +353,7 @@ class E2Persistence:
         return Changes(p.tree.nodes(), [], log)
 
     def encode_node(self, node: Node, offset: float) -> bytes | None:
-        return self.parts().tree.node_record(node, offset)
+        return self.tree.node_record(node, offset)
 
     def encode_log(self, items: list, offset: float) -> tuple[bytes, float]:
         return encode_log(self.parts(), items, offset)
