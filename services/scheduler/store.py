@@ -115,6 +115,15 @@ class RespBatch:
         self.bytes += n
         self.commands += 1
 
+    def hdel(self, key: bytes, fields: list[int]) -> None:
+        """``HDEL key field ...`` of int fields (pruned node ids: about one a decision)."""
+        digits = [b"%d" % f for f in fields]
+        self.parts.append(b"*%d\r\n$4\r\nHDEL\r\n$%d\r\n%s\r\n"
+                          % (2 + len(digits), len(key), key))
+        self.parts.extend(b"$%d\r\n%s\r\n" % (len(d), d) for d in digits)
+        self.bytes += len(key) + sum(map(len, digits))
+        self.commands += 1
+
     async def send(self) -> None:
         """Write what is queued and read every reply; the batch is empty after."""
         if not self.commands:
@@ -242,7 +251,7 @@ class StateStore:
             stats.nodes += len(batch)
         gone = changes.gone
         for i in range(0, len(gone), 4096):
-            out.command(b"HDEL", nodes_key, *gone[i : i + 4096])
+            out.hdel(nodes_key, gone[i : i + 4096])
         stats.gone = len(gone)
         # Window log: one segment per slice.
         items = changes.log

@@ -176,7 +176,7 @@ async def test_resp_batch_writes_what_the_commands_say(client, prefix):
     out.hset(key.encode(), {1: b"one", 22: b"\x00\r\nbinary", 333: b""})
     out.command(b"HSET", key, 4, "vier")
     out.command(b"ZADD", f"{prefix}:z", 1.7e9 + 0.25, 7)
-    out.command(b"HDEL", key, 22)
+    out.hdel(key.encode(), [22, 999])  # 999: not there, nothing to delete
     assert out.commands == 4
     await out.send()
     assert out.commands == 0 and not out.parts
