@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -25,7 +24,13 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from prefixmesh.loadgen.bench_scheduler import DEFAULT_PROFILE, WORKLOADS, _setup, make_stream
+from prefixmesh.loadgen.bench_scheduler import (
+    DEFAULT_PROFILE,
+    WORKLOADS,
+    _setup,
+    emit,
+    make_stream,
+)
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.services.scheduler.store import StateStore
 from prefixmesh.shared.runtime.servers import start_redis
@@ -117,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = bench(url)
             finally:
                 proc.stop()
-    text = json.dumps(result)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":

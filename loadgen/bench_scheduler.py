@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                                args.warmup + args.requests, args.policy,
                                workload=args.workload, profile=args.profile)
         result["rate"] = rate
-        return _emit(result, args.json)
+        return emit(result, args.json)
     result = run_bench(
         make_stream(args.workload, rate, args.seed),
         workers=args.workers,
@@ -517,10 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         wire=args.remote_wire,
     )
     result["rate"] = rate
-    return _emit(result, args.json)
+    return emit(result, args.json)
 
 
-def _emit(result: dict, path: str | None) -> int:
+def emit(result: dict, path: str | None) -> int:
     """Print the result line, and write it to ``path`` too."""
     text = json.dumps(result)
     print(text)

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import gc
 import heapq
-import json
 import os
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prefixmesh.loadgen import stalls
-from prefixmesh.loadgen.bench_scheduler import WORKLOADS, make_stream
+from prefixmesh.loadgen.bench_scheduler import WORKLOADS, emit, make_stream
 from prefixmesh.loadgen.procstat import CpuMeter
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable
@@ -378,11 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no profile written to {prof} (see {tmp / f'scheduler-{i}.log'})",
                       file=sys.stderr)
     result["pinned"] = args.pin
-    text = json.dumps(result)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
+    return emit(result, args.json)
 
 
 if __name__ == "__main__":
