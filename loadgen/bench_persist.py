@@ -6,10 +6,10 @@
 and simulated cluster, then routes ``--decisions`` more with change tracking on and
 flushes to Redis (``StateStore.flush``, what the live scheduler's persist loop runs every
 ``persist_interval_s``) after every ``--every`` decisions; ``--every`` is the decisions of
-one persist period (20,000: 2 s at 10,000 a second). Reported: the flushes' CPU (this thread's clock: encoding, packing and the
-socket calls; not redis-server's) per decision, the nodes, log segments and bytes they
-wrote per decision, and the CPU of one full rewrite of the state at the end (what a new
-leader writes first).
+one persist period (20,000: 2 s at 10,000 a second). Reported: the flushes' CPU (this
+thread's clock: encoding, packing and the socket calls; not redis-server's) per
+decision, the nodes, log segments and bytes they wrote per decision, and the CPU of one
+full rewrite of the state at the end (what a new leader writes first).
 """
 
 from __future__ import annotations
