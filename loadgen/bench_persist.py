@@ -83,7 +83,6 @@ async def run(url: str, base: str, workload: str = "toolbench", workers: int = 1
         "bytes_per_decision": round(written / decisions, 1),
         "full_rewrite_ms": round(full_ns / 1e6, 1),
         "full_rewrite_nodes": full.nodes,
-        "us_per_node_full": round(full_ns / 1e3 / max(full.nodes, 1), 3),
         "tree_nodes": pol.tree.n_nodes,
     }
 
