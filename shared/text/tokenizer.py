@@ -18,6 +18,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from prefixmesh.shared.text.bytelevel import ByteLevelEncoder
 from prefixmesh.shared.text.gguf_vocab import (
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -108,6 +109,8 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, meta: TokenizerMeta | None = None) -> None:
         self._tok = tokenizer
+        # The same ids in Python with a word cache, when the tokenizer is of that shape.
+        self._fast = ByteLevelEncoder.of(tokenizer)
         self.meta = meta or TokenizerMeta()
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id: int | None = self._token_id(self.meta.eos_token)
@@ -147,8 +150,14 @@ class TextTokenizer:
         """Token ids of ``text``; special-token strings in it (``<|im_end|>``) are matched.
 
         ``add_special_tokens`` applies the tokenizer's post-processor (BOS etc.); SmolLM2's
-        adds nothing to plain text, as its HF tokenizer does.
+        adds nothing to plain text, as its HF tokenizer does. A tokenizer of GPT-2's
+        byte-level shape (SmolLM2's) encodes text of the scripts below U+0800 in Python
+        with a word cache (``bytelevel.py``), to the same ids.
         """
+        if self._fast is not None:  # its post-processor adds no token
+            ids = self._fast.encode(text)
+            if ids is not None:
+                return ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(
