@@ -49,6 +49,11 @@ _DEFAULT_SYSTEM_RE = re.compile(
     re.escape(f"{IM_START}system\n") + r"(.*?)" + re.escape(IM_END), re.S
 )
 
+# Longest text encoded in Python (``ByteLevelEncoder``: three to five times faster than
+# the library up to this length, docs/benchmarks.md): longer text goes to the library,
+# which releases the GIL, so the tokenizer service's threads encode long prompts side by
+# side and none holds an event loop's thread for long.
+PYTHON_ENCODE_CHARS = 4096
 # The Unicode replacement character: a lossy UTF-8 decode ends with it when the last
 # character's bytes are split across tokens not all generated yet.
 REPLACEMENT_CHAR = "\ufffd"
@@ -151,10 +156,11 @@ class TextTokenizer:
 
         ``add_special_tokens`` applies the tokenizer's post-processor (BOS etc.); SmolLM2's
         adds nothing to plain text, as its HF tokenizer does. A tokenizer of GPT-2's
-        byte-level shape (SmolLM2's) encodes text of the scripts below U+0800 in Python
-        with a word cache (``bytelevel.py``), to the same ids.
+        byte-level shape (SmolLM2's) encodes text of up to ``PYTHON_ENCODE_CHARS``
+        characters in Python with a word cache (``bytelevel.py``), to the same ids.
         """
-        if self._fast is not None:  # its post-processor adds no token
+        if self._fast is not None and len(text) <= PYTHON_ENCODE_CHARS:
+            # Its post-processor adds no token.
             ids = self._fast.encode(text)
             if ids is not None:
                 return ids

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers.models import BPE, WordLevel
 
 from prefixmesh.loadgen.workloads.sources import loogle_documents, sharegpt_conversations
-from prefixmesh.shared.text import bytelevel
+from prefixmesh.shared.text import bytelevel, tokenizer
 from prefixmesh.shared.text.bytelevel import ByteLevelEncoder
 from prefixmesh.shared.text.tokenizer import TextTokenizer
 
@@ -133,6 +133,20 @@ def test_letters_of_a_newer_unicode_are_left_to_the_library(tok: TextTokenizer,
     assert tok.encode(text) == tok.backend.encode(text).ids
     # Other scripts are taken.
     assert encoder.encode("\u201cquoted\u201d \u2014 \u4e2d\u6587 \u3042 \u0557") is not None
+
+
+def test_long_text_goes_to_the_library(tok: TextTokenizer,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``PYTHON_ENCODE_CHARS`` the library encodes (it releases the GIL)."""
+    fresh = TextTokenizer(tok.backend)
+    assert fresh._fast is not None
+    calls = []
+    monkeypatch.setattr(fresh._fast, "encode", lambda text: calls.append(text) or [7])
+    short = "a" * tokenizer.PYTHON_ENCODE_CHARS
+    long = short + " b"
+    assert fresh.encode(short) == [7]
+    assert fresh.encode(long) == tok.backend.encode(long).ids
+    assert calls == [short]
 
 
 def test_cache_is_bounded(tok: TextTokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
