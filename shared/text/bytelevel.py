@@ -6,11 +6,10 @@ A byte-level BPE tokenizer encodes a text in three steps: it cuts out the added 
 (``<|im_end|>``), splits the rest into words with one regular expression (GPT-2's; with a
 ``Digits`` pre-tokenizer first, every numeral on its own), and runs BPE merges on each
 word's bytes (mapped to printable characters). The library's regular expression engine
-costs most of a short prompt's encoding (about 25 of 38 us for a 70-character prompt on
-this project's machine); the merges it caches per word itself. Here the splitting runs on
-the ``regex`` module and each word's ids come from a dict, filled on a miss from the
-library's own BPE model (``Tokenizer.model.tokenize``), so the merges and the vocabulary
-stay the library's.
+costs most of a short prompt's encoding; the merges it caches per word itself. Here the
+splitting runs on the ``regex`` module and each word's ids come from a dict, filled on a
+miss from the library's own BPE model (``Tokenizer.model.tokenize``), so the merges and
+the vocabulary stay the library's.
 
 ``ByteLevelEncoder.of`` accepts a tokenizer only when its configuration is one this module
 reproduces exactly (no normalizer, that pre-tokenizer shape, deterministic BPE, added

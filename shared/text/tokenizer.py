@@ -49,8 +49,8 @@ _DEFAULT_SYSTEM_RE = re.compile(
     re.escape(f"{IM_START}system\n") + r"(.*?)" + re.escape(IM_END), re.S
 )
 
-# Longest text encoded in Python (``ByteLevelEncoder``: three to five times faster than
-# the library up to this length, docs/benchmarks.md): longer text goes to the library,
+# Longest text encoded in Python (``ByteLevelEncoder``: about five times faster than the
+# library up to this length, docs/benchmarks.md): longer text goes to the library,
 # which releases the GIL, so the tokenizer service's threads encode long prompts side by
 # side and none holds an event loop's thread for long.
 PYTHON_ENCODE_CHARS = 4096
