@@ -23,6 +23,7 @@ it stays out of the routing queue group, so it never routes from an empty tree.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from prefixmesh.services.scheduler.policies.base import Decision, GlobalPolicy, RouteInput
@@ -34,6 +35,8 @@ from prefixmesh.shared.wire import (
     RoutingDecisionsEvent,
     TokenizedRequest,
 )
+
+log = logging.getLogger(__name__)
 
 # Seconds between two "I am here" messages of a replica, and how many of them may be
 # missed (lost, or a stalled loop) before the others stop telling it their decisions.
@@ -95,16 +98,25 @@ def routed_hashes(d: RoutedRequest) -> Sequence[int]:
 
 def apply_peer_decisions(policy: GlobalPolicy, ev: RoutingDecisionsEvent, own_id: str,
                          now: float) -> int:
-    """Charge a peer's decisions to ``policy`` (our own echo is skipped); returns how
+    """Charge a peer's decisions to ``policy`` (our own echo is skipped; a decision whose
+    packed hashes are malformed is logged and skipped, the others applied); returns how
     many were applied."""
     if ev.scheduler_id == own_id:
         return 0
     # Straight from the wire struct (``apply_routed``): no RouteInput and Decision built
     # per decision, as ``apply_remote_decision`` would need.
     apply = policy.apply_routed
+    applied = 0
     for d in ev.decisions:
-        apply(d, routed_hashes(d), now)
-    return len(ev.decisions)
+        try:
+            hashes = routed_hashes(d)
+        except ValueError as exc:  # packed hashes that are not whole int64s: this one only
+            log.warning("peer %s: decision for %s skipped: %s", ev.scheduler_id,
+                        d.request_id, exc)
+            continue
+        apply(d, hashes, now)
+        applied += 1
+    return applied
 
 
 def is_resync(events: list[KvEvent]) -> bool:

@@ -3,6 +3,7 @@ booting replica may route (services/scheduler/replicas.py)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from prefixmesh.services.scheduler.policies import POLICY_NAMES, make_policy
@@ -97,6 +98,20 @@ def test_a_peer_decision_records_the_prefix_in_the_tree():
     follow = RouteInput(request_id="r1", block_hashes=inp.block_hashes + [7],
                         prompt_tokens=inp.prompt_tokens + BLOCK_SIZE, max_tokens=32)
     assert b.route(follow, 1.1).worker_id == d.worker_id
+
+
+def test_a_malformed_peer_decision_is_skipped_and_the_others_applied():
+    a, b = _policies("e2", 2)
+    inputs = [_req(i) for i in range(3)]  # three prefixes
+    records = [routed(inp, a.route(inp, 1.0)) for inp in inputs]
+    assert all(r.packed_hashes for r in records)
+    records[1] = msgspec.structs.replace(records[1], packed_hashes=b"\x01\x02\x03")
+    ev = RoutingDecisionsEvent(scheduler_id="A", ts=1.0, decisions=records)
+    assert apply_peer_decisions(b, ev, "B", 1.0) == 2
+    for i in (0, 2):
+        node, m = b.tree.match(inputs[i].block_hashes)
+        assert m == len(inputs[i].block_hashes) and records[i].worker_id in node.workers
+    assert b.tree.match(inputs[1].block_hashes)[1] == 0  # the malformed one: not recorded
 
 
 def test_a_peer_decision_on_a_known_prefix_records_the_path_not_the_tail():
