@@ -26,9 +26,9 @@ import redis.asyncio as aioredis
 from prefixmesh.loadgen.bench_scheduler import (
     DEFAULT_PROFILE,
     WORKLOADS,
-    _setup,
     emit,
     make_stream,
+    setup_policy,
 )
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.services.scheduler.store import StateStore
@@ -40,7 +40,7 @@ async def run(url: str, base: str, workload: str = "toolbench", workers: int = 1
               seed: int = 0) -> dict:
     """Warm, then route ``decisions`` flushing to ``url`` under ``base`` every ``every``;
     the figures of the module's docstring, and the tree's node count at the end."""
-    pol, cluster, _ = _setup("e2", workers, None, DEFAULT_PROFILE)
+    pol, cluster, _ = setup_policy("e2", workers, None, DEFAULT_PROFILE)
     if not isinstance(pol, E2Policy):
         raise TypeError(f"expected the E2 policy, got {type(pol).__name__}")
     stream = make_stream(workload, None, seed)

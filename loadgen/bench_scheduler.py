@@ -319,8 +319,8 @@ class _Cluster:
                        t)
 
 
-def _setup(policy: str, workers: int, config: PolicyConfig | None, profile: str,
-           peer: bool = False) -> tuple[GlobalPolicy, _Cluster, GlobalPolicy | None]:
+def setup_policy(policy: str, workers: int, config: PolicyConfig | None, profile: str,
+                 peer: bool = False) -> tuple[GlobalPolicy, _Cluster, GlobalPolicy | None]:
     """The policy with ``workers`` registered workers, the cluster that feeds it and (with
     ``peer``) a second replica fed the same."""
     cost = CostModel.load(profile)
@@ -359,7 +359,7 @@ def policy_memory(
     """
     tracemalloc.start()
     try:
-        pol, cluster, _ = _setup(policy, workers, None, profile)
+        pol, cluster, _ = setup_policy(policy, workers, None, profile)
         for br in itertools.islice(workload_stream, requests):
             cluster.advance(br.t)
             d = pol.route(br.route, br.t)
@@ -410,7 +410,7 @@ def run_bench(
     does, in a ``RoutingDecisionsEvent`` (of one decision) decoded from bytes and applied by
     ``apply_peer_decisions``, decoding timed with the applying (encoding, the deciding
     replica's work, is not)."""
-    pol, cluster, peer = _setup(policy, workers, config, profile, peer=remote)
+    pol, cluster, peer = setup_policy(policy, workers, config, profile, peer=remote)
     stream = iter(workload_stream)
     times: list[int] = []
     applied: list[int] = []
