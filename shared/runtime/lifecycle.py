@@ -20,6 +20,9 @@ from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+# Collections of the middle generation between two full ones in a started service
+# (``settle_gc``; CPython's default is 10).
+FULL_GC_AFTER = 100
 
 # How long ``TaskSet.aclose`` waits for cancelled tasks before cancelling again.
 CANCEL_RETRY_S = 0.5
@@ -113,6 +116,22 @@ async def run_service(service: Service, stop: asyncio.Event, drain_timeout_s: fl
     log.info("%s stopped", service.name)
 
 
+def settle_gc() -> None:
+    """Once a service has started: everything built so far (modules, classes, config, a
+    loaded tokenizer or model) lives as long as the process, so it is frozen out of the
+    collector's sight and a full collection scans only what was made since (tens of
+    milliseconds less per such stall of the event loop). Full collections then come at
+    most once every ``FULL_GC_AFTER`` collections of the middle generation: CPython runs
+    one after 10 of those once the objects promoted since the last full one exceed a
+    quarter of those it kept, and after the freeze that is a few hundred, so it ran at
+    every tenth, several times a second in a busy scheduler, each walking every container
+    built since (its LRU orders and load window: milliseconds). Both measured in
+    docs/benchmarks.md."""
+    gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, FULL_GC_AFTER)
+
+
 def install_signal_handlers(stop: asyncio.Event) -> None:
     """SIGINT and SIGTERM set ``stop`` (once; a second signal is ignored while draining)."""
     loop = asyncio.get_running_loop()
@@ -133,11 +152,7 @@ def main(make_service: Callable[[], Service], drain_timeout_s: float) -> None:
     async def _amain() -> None:
         stop = asyncio.Event()
         install_signal_handlers(stop)
-        # Once started, everything built so far (modules, classes, config, a loaded tokenizer
-        # or model) lives as long as the process: frozen out of the collector's sight, a
-        # full collection scans only what was made since (tens of milliseconds less per
-        # such stall of the event loop; measured in docs/benchmarks.md).
-        await run_service(make_service(), stop, drain_timeout_s, ready=gc.freeze)
+        await run_service(make_service(), stop, drain_timeout_s, ready=settle_gc)
 
     try:
         run(_amain())
