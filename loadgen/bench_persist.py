@@ -6,7 +6,10 @@
 and simulated cluster, then routes ``--decisions`` more with change tracking on and
 flushes to Redis (``StateStore.flush``, what the live scheduler's persist loop runs every
 ``persist_interval_s``) after every ``--every`` decisions; ``--every`` is the decisions of
-one persist period (20,000: 2 s at 10,000 a second). Reported: the flushes' CPU (this
+one persist period (20,000: 2 s at 10,000 a second). Each request's hashes reach the
+policy as the live scheduler reads them off the wire, packed (an int64 array over the
+edge's bytes); ``--hashes listed`` routes them as lists of ints instead, as in-process
+callers (the simulator) do. Reported: the flushes' CPU (this
 thread's clock: encoding, packing and the socket calls; not redis-server's) per
 decision, the nodes, log segments and bytes they wrote per decision, and the CPU of one
 full rewrite of the state at the end (what a new leader writes first).
@@ -21,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import redis.asyncio as aioredis
 
 from prefixmesh.loadgen.bench_scheduler import (
@@ -32,12 +36,13 @@ from prefixmesh.loadgen.bench_scheduler import (
 )
 from prefixmesh.services.scheduler.policies.e2 import E2Policy
 from prefixmesh.services.scheduler.store import StateStore
+from prefixmesh.shared.blocks import pack_hashes, unpack_hashes
 from prefixmesh.shared.runtime.servers import start_redis
 
 
 async def run(url: str, base: str, workload: str = "toolbench", workers: int = 16,
               warmup: int = 20_000, decisions: int = 60_000, every: int = 20_000,
-              seed: int = 0) -> dict:
+              seed: int = 0, packed: bool = True) -> dict:
     """Warm, then route ``decisions`` flushing to ``url`` under ``base`` every ``every``;
     the figures of the module's docstring, and the tree's node count at the end."""
     pol, cluster, _ = setup_policy("e2", workers, None, DEFAULT_PROFILE)
@@ -49,7 +54,11 @@ async def run(url: str, base: str, workload: str = "toolbench", workers: int = 1
         for _ in range(n):
             br = next(stream)
             cluster.advance(br.t)
-            d = pol.route(br.route, br.t)
+            inp = br.route
+            if packed:  # untimed: the edge packs, the scheduler reads the bytes in place
+                inp = msgspec.structs.replace(
+                    inp, block_hashes=unpack_hashes(pack_hashes(inp.block_hashes)))
+            d = pol.route(inp, br.t)
             cluster.routed(br, d.worker_id, d.matched_tokens)
 
     client = aioredis.from_url(url)
@@ -77,6 +86,7 @@ async def run(url: str, base: str, workload: str = "toolbench", workers: int = 1
         await client.aclose()
     return {
         "workload": workload, "workers": workers, "decisions": decisions, "every": every,
+        "hashes": "packed" if packed else "listed",
         "persist_us_per_decision": round(cpu_ns / 1e3 / decisions, 3),
         "nodes_per_decision": round(nodes / decisions, 3),
         "segments": segments,
@@ -99,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=20_000,
                     help="decisions between flushes (one persist period)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hashes", choices=("packed", "listed"), default="packed",
+                    help="how requests' hashes reach the policy: packed as off the wire "
+                    "(the live scheduler), or listed as in process (the simulator)")
     ap.add_argument("--redis-url", default="",
                     help="a Redis to write to (default: start a redis-server for the run)")
     ap.add_argument("--prefix", default="bench", help="Redis key prefix")
@@ -109,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def bench(url: str) -> dict:
         return asyncio.run(run(url, f"{args.prefix}:e2", args.workload, args.workers,
-                               args.warmup, args.decisions, args.every, args.seed))
+                               args.warmup, args.decisions, args.every, args.seed,
+                               args.hashes == "packed"))
 
     if args.redis_url:
         result = bench(args.redis_url)

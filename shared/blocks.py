@@ -64,6 +64,16 @@ def pack_hashes(hashes: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def packed_run(run: array[int]) -> bytes | memoryview:
+    """``pack_hashes`` of an int64 array without making an int of any hash: a view of its
+    memory on a little-endian machine, a byte-swapped copy otherwise."""
+    if _BIG_ENDIAN:
+        run = array("q", run)
+        run.byteswap()
+        return run.tobytes()
+    return memoryview(run)
+
+
 def unpack_hashes(data: bytes) -> array:
     """The int64 array over ``pack_hashes`` bytes: an int is made only where one is read.
     ValueError when ``data`` is not whole int64s."""

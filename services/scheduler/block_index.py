@@ -28,7 +28,7 @@ newest entry names the hash's holder, or a node that has died since (no holder).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice, repeat
 from typing import Generic, Protocol, TypeVar
 
@@ -46,7 +46,7 @@ class Held(Protocol):
     def alive(self) -> bool: ...
 
     @property
-    def hashes(self) -> tuple[int, ...]: ...
+    def hashes(self) -> Sequence[int]: ...
 
 
 N = TypeVar("N", bound=Held)

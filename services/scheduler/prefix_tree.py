@@ -44,13 +44,14 @@ No I/O, no clock: times are passed in by the caller.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 
 from prefixmesh.services.scheduler.block_index import BlockIndex
-from prefixmesh.shared.blocks import BLOCK_SIZE
+from prefixmesh.shared.blocks import BLOCK_SIZE, packed_run, unpack_hashes
 from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 # KV events about these media concern the GPU prefix cache (vLLM marks blocks offloaded
@@ -74,6 +75,15 @@ INDEX_QUEUE_HASHES = 4096
 LRU_SLACK_ENTRIES = 4096
 
 
+def hash_run(hashes: Sequence[int]) -> array[int] | tuple[int, ...]:
+    """A node's run of block hashes: an int64 array as it came (a request's packed hashes
+    off the wire, sliced: 8 bytes a hash, nothing for the garbage collector to look at,
+    written to Redis as its bytes without reading an int), else a tuple of the ints."""
+    if isinstance(hashes, array) and hashes.typecode == "q":
+        return hashes
+    return tuple(hashes)
+
+
 class Node(msgspec.Struct, eq=False, gc=False):
     """One run of consecutive block hashes.
 
@@ -82,8 +92,8 @@ class Node(msgspec.Struct, eq=False, gc=False):
     discarded (``PrefixTree._dismantle``). Compared and hashed by identity.
     """
 
-    # The run (a tuple of ints, also untracked by the collector).
-    hashes: tuple[int, ...]
+    # The run (``hash_run``: an int64 array, or a tuple of ints; never changed in place).
+    hashes: array[int] | tuple[int, ...]
     # Blocks from the root before this node (absolute position of hashes[0]).
     start: int
     parent: Node | None
@@ -133,7 +143,8 @@ class NodeRecord(msgspec.Struct, array_like=True):
     nid: int
     parent: int  # nid of the parent; -1 = root
     start: int
-    hashes: tuple[int, ...]
+    # The run packed as ``pack_hashes`` does (a run held as an array), or its ints.
+    hashes: bytes | tuple[int, ...]
     # Worker -> LRU stamp.
     workers: dict[str, int]
     counts: dict[str, int]
@@ -322,7 +333,8 @@ class PrefixTree:
             if self.n_nodes > self.max_nodes:  # the split above
                 self._evict_lru_leaves(node)
             return node
-        leaf = Node(tuple(hashes[matched:]), matched, node, last_access=now, nid=self._next_nid)
+        leaf = Node(hash_run(hashes[matched:]), matched, node, last_access=now,
+                    nid=self._next_nid)
         self._next_nid += 1
         node.children[hashes[matched]] = leaf
         heapq.heappush(self._lru, (now, leaf.nid, leaf))
@@ -534,7 +546,7 @@ class PrefixTree:
             # Evictions name long runs of one node's blocks: the rest of a run that
             # continues in the node's order needs no lookup (compared as one slice).
             k = min(len(held) - pos, n - i)
-            i += k if k > 1 and tuple(seq[i : i + k]) == held[pos : pos + k] else 1
+            i += k if k > 1 and list(held[pos : pos + k]) == seq[i : i + k] else 1
         for node in sorted(cut, key=lambda nd: nd.start):
             if not node.alive or worker not in node.workers:
                 continue  # already dropped with an ancestor
@@ -765,7 +777,7 @@ class PrefixTree:
         for rec in state.nodes:
             parent = self.root if rec.parent < 0 else nodes[rec.parent]
             n = Node(
-                tuple(rec.hashes),
+                hash_run(rec.hashes),
                 parent.start + len(parent.hashes),
                 parent,
                 workers=dict.fromkeys(rec.workers, 0),
@@ -819,12 +831,13 @@ class PrefixTree:
         if not node.alive:
             return None
         parent = node.parent
+        run = node.hashes
         return _ENCODER.encode(
             NodeRecord(
                 node.nid,
                 -1 if parent is self.root else parent.nid,  # type: ignore[union-attr]
                 node.start,
-                node.hashes,
+                packed_run(run) if type(run) is array else run,  # type: ignore[arg-type]
                 node.workers,
                 node.counts,
                 node.last_access + offset,
@@ -850,16 +863,20 @@ class PrefixTree:
         for r in recs:
             top_nid = max(top_nid, r.nid + 1)
             parent = by_id.get(r.parent)
+            try:
+                run = unpack_hashes(r.hashes) if isinstance(r.hashes, bytes) else r.hashes
+            except ValueError:  # packed bytes that are not whole int64s
+                continue
             if (
                 parent is None
-                or not r.hashes
+                or not run
                 or parent.start + len(parent.hashes) != r.start
-                or r.hashes[0] in parent.children
+                or run[0] in parent.children
             ):
                 continue
-            n = Node(r.hashes, r.start, parent, workers=r.workers, counts=r.counts,
+            n = Node(run, r.start, parent, workers=r.workers, counts=r.counts,
                      last_access=r.last_access + offset, nid=r.nid)
-            parent.children[r.hashes[0]] = n
+            parent.children[run[0]] = n
             idx.put(n.hashes, n)
             by_id[r.nid] = n
             self.n_nodes += 1

@@ -4,12 +4,18 @@ snapshots."""
 from __future__ import annotations
 
 import random
+from array import array
 
+import msgspec
 import pytest
 
 from prefixmesh.services.scheduler.block_index import GEN_ENTRIES, TRIM_STEP, BlockIndex
-from prefixmesh.services.scheduler.prefix_tree import INDEX_QUEUE_HASHES, PrefixTree
-from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes
+from prefixmesh.services.scheduler.prefix_tree import (
+    INDEX_QUEUE_HASHES,
+    NodeRecord,
+    PrefixTree,
+)
+from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, pack_hashes, unpack_hashes
 from tests.helpers import toks
 
 
@@ -146,17 +152,22 @@ def test_block_removed_drops_the_suffix_and_descendants():
     assert tree.cached_tokens("w0") == 4 * BLOCK_SIZE
 
 
-def test_block_removed_runs_shuffles_and_spans_drop_what_one_at_a_time_would() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["ints", "packed"])
+def test_block_removed_runs_shuffles_and_spans_drop_what_one_at_a_time_would(
+        packed: bool) -> None:
     """An event's hashes in a node's order (runs), shuffled, spanning nodes, unknown ones
-    mixed in: the worker keeps what removing them one event each would leave."""
+    mixed in: the worker keeps what removing them one event each would leave; with runs
+    held as ints, or as int64 arrays (prompts routed off the wire, hashes packed)."""
     rng = random.Random(5)
     base = toks(1, 6)
     prompts = [chain(base, toks(10 + i, 4), toks(20 + i % 3, 3)) for i in range(6)]
+    routed = [unpack_hashes(pack_hashes(h)) for h in prompts] if packed else prompts
     for trial in range(40):
         tree = PrefixTree()
-        for i, h in enumerate(prompts):
+        for i, h in enumerate(routed):
             tree.touch(tree.insert(h, float(i)), "w0", float(i))
             tree.touch(tree.insert(h, float(i)), "w1", float(i))
+        assert all(isinstance(n.hashes, array) == packed for n in tree.nodes())
         ref = PrefixTree()
         ref.restore(tree.snapshot())
         p = rng.choice(prompts)
@@ -172,6 +183,43 @@ def test_block_removed_runs_shuffles_and_spans_drop_what_one_at_a_time_would() -
         held = (len(base) // BLOCK_SIZE + 7 * len(prompts)) * BLOCK_SIZE  # 48 blocks each
         assert tree.cached_tokens("w0") == ref.cached_tokens("w0") < held
         assert tree.cached_tokens("w1") == held
+
+
+def test_packed_runs_are_written_as_bytes_and_load_back() -> None:
+    """Runs that came packed (int64 arrays) are recorded as their bytes, fewer than the
+    ints' msgpack, and load back as the same arrays beside runs held as ints; a record
+    whose bytes are not whole int64s is dropped with its subtree, the rest kept."""
+    tree = PrefixTree()
+    base = toks(1, 6)
+    a = chain(base, toks(2, 5))
+    b = chain(base, toks(3, 5))
+    tree.touch(tree.insert(unpack_hashes(pack_hashes(a)), 1.0), "w0", 1.0)
+    tree.touch(tree.insert(b, 2.0), "w1", 2.0)  # the shared part splits: an array
+    kinds = sorted((n.start, type(n.hashes).__name__) for n in tree.nodes())
+    assert kinds == [(0, "array"), (6, "array"), (6, "tuple")]
+    records = [tree.node_record(n, 0.0) for n in tree.nodes()]
+    decoded = [msgspec.msgpack.decode(r, type=NodeRecord) for r in records]
+    for n, rec in zip(tree.nodes(), decoded):
+        if isinstance(n.hashes, array):
+            assert rec.hashes == pack_hashes(n.hashes)
+            plain = msgspec.msgpack.encode(msgspec.structs.replace(rec, hashes=tuple(n.hashes)))
+            assert len(tree.node_record(n, 0.0)) < len(plain)
+        else:
+            assert rec.hashes == n.hashes
+    copy = PrefixTree()
+    copy.load_records(records, 0.0)
+    assert sorted((n.start, type(n.hashes).__name__, list(n.hashes)) for n in copy.nodes()) == \
+        sorted((n.start, type(n.hashes).__name__, list(n.hashes)) for n in tree.nodes())
+    assert copy.cached_depths(*copy.match(a)) == {"w0": 11, "w1": 6}
+    assert copy.cached_depths(*copy.match(b)) == {"w0": 6, "w1": 11}
+    # The branch of ``a`` with three bytes cut off its packed run: dropped, the rest kept.
+    broken = [msgspec.msgpack.encode(msgspec.structs.replace(r, hashes=r.hashes[:-3]))
+              if isinstance(r.hashes, bytes) and r.start == 6 else
+              msgspec.msgpack.encode(r) for r in decoded]
+    part = PrefixTree()
+    part.load_records(broken, 0.0)
+    assert part.cached_depths(*part.match(a)) == {"w0": 6, "w1": 6}
+    assert part.cached_depths(*part.match(b)) == {"w0": 6, "w1": 11}
 
 
 def test_worker_lru_evicts_descendants_first_and_respects_protect():

@@ -238,8 +238,8 @@ def _e2_state(p) -> list:
     load, backlog and report use."""
     t = p.tree
     t.flush()
-    nodes = sorted((n.nid, n.start, n.hashes, dict(n.workers), dict(n.counts), n.last_access)
-                   for n in t.nodes())
+    nodes = sorted((n.nid, n.start, tuple(n.hashes), dict(n.workers), dict(n.counts),
+                    n.last_access) for n in t.nodes())
     lru = {w: [n.nid for n in t.worker_lru(w)] for w in sorted(t.worker_blocks)}
     win = p.window
     entries = [(e.t, e.ws.id, e.cost, e.leaf.nid, e.rid, e.dt_tok, e.out_est)
