@@ -65,13 +65,9 @@ def pack_hashes(hashes: Sequence[int]) -> bytes:
 
 
 def packed_run(run: array[int]) -> bytes | memoryview:
-    """``pack_hashes`` of an int64 array without making an int of any hash: a view of its
-    memory on a little-endian machine, a byte-swapped copy otherwise."""
-    if _BIG_ENDIAN:
-        run = array("q", run)
-        run.byteswap()
-        return run.tobytes()
-    return memoryview(run)
+    """``pack_hashes`` of an int64 array without a copy where none is needed: a view of
+    its memory on a little-endian machine."""
+    return pack_hashes(run) if _BIG_ENDIAN else memoryview(run)
 
 
 def unpack_hashes(data: bytes) -> array:
