@@ -70,6 +70,10 @@ REQUESTS = 500
 KNEE_FACTOR = 2.0
 PROBE_REQUESTS = 300
 PROBE_S = 60.0
+# With ``--horizon S``, each run's heaviest load spans at least S seconds of arrivals, as
+# the probes that set its rate do (up to ``4 * PROBE_REQUESTS`` requests, their cap too);
+# 0 (the default): exactly ``--requests``.
+HORIZON_S = 0.0
 # Ratio within which E2 counts as level with the best other policy (done-when: 3%).
 TOLERANCE = 1.03
 
@@ -127,12 +131,19 @@ SUITES: dict[str, tuple[SuiteConfig, ...]] = {
 }
 
 
+def run_requests(rate: float, floor: int, horizon_s: float) -> int:
+    """Requests of a run at ``rate``: ``horizon_s`` seconds of arrivals, at least ``floor``
+    and at most ``4 * PROBE_REQUESTS`` (unless ``floor`` is more)."""
+    n = round(rate * horizon_s)
+    return max(floor, min(n, 4 * PROBE_REQUESTS))
+
+
 def _probe_avg(cfg: SuiteConfig, spec: WorkloadSpec, rate: float, policy: str,
                engine: SimEngineConfig | None) -> float:
     """``policy``'s mean latency at ``rate`` (Poisson), on ``engine``'s limits (None: the
     profile's); inf if a request failed."""
     # Enough requests for a steady state: long replies keep many requests in flight.
-    n = min(max(PROBE_REQUESTS, round(rate * PROBE_S)), 4 * PROBE_REQUESTS)
+    n = run_requests(rate, PROBE_REQUESTS, PROBE_S)
     reqs = spec.requests(n)
     fleet = cfg.fleet()
     run = ClusterSim(ClusterConfig(gpus=len(fleet) or cfg.gpus, policy=policy,
@@ -194,16 +205,24 @@ def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
 
 
 def run_config(cfg: SuiteConfig, seeds: Sequence[int], requests: int,
-               e2_knobs: str = "") -> list[dict]:
+               e2_knobs: str = "", horizon_s: float = HORIZON_S) -> list[dict]:
     """Every policy at ``LOADS`` of the capacity, for each seed; E2 with ``e2_knobs``
-    (``knob=value,...`` of PolicyConfig) when given, still labelled ``e2``."""
+    (``knob=value,...`` of PolicyConfig) when given, still labelled ``e2``.
+
+    The heaviest load's run holds ``requests`` requests, or with ``horizon_s`` > 0 that
+    many seconds of arrivals if more (``run_requests``): with a fixed count, the 16-GPU
+    configuration at its heaviest load sees 17 s of arrivals and a 4-GPU one up to 77 s,
+    the first little more than its cold start. A configuration under cache pressure keeps
+    ``requests``: its pool is sized from them, before its rate is known."""
     e2 = f"e2:{e2_knobs}" if e2_knobs else "e2"
     policies = [e2 if p == "e2" else p for p in POLICIES]
     rows: list[dict] = []
     fleet = cfg.fleet()
     cap = capacity(cfg, seeds[0], requests)  # one per configuration: seeds share rates
+    rates = [round(f * cap, 3) for f in LOADS]
+    if cfg.cache_pressure <= 0 and horizon_s > 0:
+        requests = run_requests(rates[-1], requests, horizon_s)
     for seed in seeds:
-        rates = [round(f * cap, 3) for f in LOADS]
         spec = WorkloadSpec(cfg.workload, arrivals=cfg.arrivals, seed=seed)
         pool: dict = {}
         engine = None
@@ -217,7 +236,7 @@ def run_config(cfg: SuiteConfig, seeds: Sequence[int], requests: int,
             if r["policy"] == e2:
                 r.update(policy="e2", e2_knobs=e2_knobs)
             r.update(config=cfg.name, arrivals=cfg.arrivals, load=LOADS[rates.index(r["rate"])],
-                     **pool)
+                     requests_heaviest=requests, **pool)
         rows.extend(got)
     annotate_ideal(rows)
     return rows
@@ -279,7 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--suite", required=True, choices=tuple(SUITES))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--requests", type=int, default=REQUESTS,
-                   help="requests of the heaviest load of each run")
+                   help="requests of the heaviest load of each run (at least, with --horizon)")
+    p.add_argument("--horizon", type=float, default=HORIZON_S, metavar="S",
+                   help="S > 0: each run's heaviest load spans at least S seconds of arrivals "
+                   f"(up to {4 * PROBE_REQUESTS} requests; not under cache pressure, whose pool "
+                   "is sized from --requests); default 0: exactly --requests")
     p.add_argument("--only", default="", help="comma-separated configuration names to run")
     p.add_argument("--e2", default="", metavar="KNOBS",
                    help="judge this E2 variant instead of the default: PolicyConfig "
@@ -295,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     for cfg in configs:
-        got = run_config(cfg, seeds, args.requests, args.e2)
+        got = run_config(cfg, seeds, args.requests, args.e2, args.horizon)
         rows.extend(got)
         summary[cfg.name] = summarize_config(got)
         print(f"  {cfg.name}: done ({time.perf_counter() - t0:.0f}s wall)", file=sys.stderr,
@@ -303,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = report(args.suite, summary)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"suite": args.suite, "seeds": seeds, "loads": LOADS,
-                               "e2_knobs": args.e2,
+                               "e2_knobs": args.e2, "requests": args.requests,
+                               "horizon_s": args.horizon,
                                "configs": [asdict(c) for c in configs], "summary": summary,
                                "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)},
                               indent=1))

@@ -416,6 +416,32 @@ def test_suite_runs_every_load_of_a_pressured_configuration_on_one_fleet(
     assert pools and set(pools) == {want}
 
 
+def test_suite_runs_span_the_horizon_at_the_heaviest_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fast fleet's runs are not its cold start alone: the heaviest load's run holds
+    ``horizon_s`` seconds of arrivals when ``requests`` would cover fewer, and every load
+    the same duration; ``horizon_s=0`` keeps the count."""
+    from prefixmesh.loadgen import suite
+    from prefixmesh.loadgen.ideal import IDEAL
+
+    assert suite.run_requests(10.0, 40, 5.0) == 50
+    assert suite.run_requests(4.0, 40, 5.0) == 40  # the floor
+    assert suite.run_requests(1e4, 40, 60.0) == 4 * suite.PROBE_REQUESTS  # the probes' cap
+    assert suite.run_requests(1e4, 5000, 60.0) == 5000  # an explicit count above it holds
+    monkeypatch.setattr(suite, "capacity", lambda cfg, seed, requests: 20.0)
+    monkeypatch.setattr(suite, "POLICIES", ("e2", "cache_aware", IDEAL))
+    monkeypatch.setattr(suite, "PEERS", ("cache_aware",))
+    cfg = next(c for c in suite.FAMILY if c.name == "multiturn-4gpu")
+    heavy = suite.LOADS[-1] * 20.0  # 18 req/s
+    rows = suite.run_config(cfg, [0], requests=40, horizon_s=5.0)
+    assert {r["requests_heaviest"] for r in rows} == {round(heavy * 5.0)}
+    counts = {r["load"]: r["requests"] for r in rows}
+    assert counts[suite.LOADS[-1]] == round(heavy * 5.0)
+    assert counts[suite.LOADS[0]] == round(suite.LOADS[0] * 20.0 * 5.0)
+    fixed = suite.run_config(cfg, [0], requests=40, horizon_s=0.0)
+    assert {r["requests"] for r in fixed if r["load"] == suite.LOADS[-1]} == {40}
+
+
 def test_the_mixed_suite_runs_every_policy_on_the_mixed_fleet(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
