@@ -35,6 +35,10 @@ those rows are named ``CONTENDER (baseline)``, in front of the same workers.
 The workers are the sim backend at time scale 1: a step lasts its modelled GPU time
 (``mistral-7b-a6000``: 22 ms at least), so ``direct`` is the most these workers do on this
 machine at that concurrency, and a router's shortfall from it is what its path costs.
+``--worker-nice N`` runs the workers at that niceness, below the routers, the client and
+NATS: on a machine of few cores the simulated GPUs' own Python otherwise takes turns on
+the cores with the router path, which on a real host runs on cores of its own while the
+GPUs do the engines' work. Every contender meets the same workers either way.
 """
 
 from __future__ import annotations
@@ -163,6 +167,13 @@ def measure(name: str, urls: Sequence[str], model: str, concurrency: int,
     }
 
 
+def renice(pids: Sequence[int], nice: int) -> None:
+    """Run the processes ``pids`` at niceness ``nice`` (0: leave them as they are)."""
+    if nice:
+        for pid in pids:
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
 def summarize(rows: Sequence[dict], reference: str) -> list[dict]:
     """Per contender and concurrency: the repeats' mean req/s, p50, p99 and load, and the
     ratio of req/s to the reference's (and, for a same-policy pair, to its peer's)."""
@@ -255,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", type=Path, default=None,
                    help="also run each prefixmesh contender from the prefixmesh package in "
                    "this folder (before/after in one run)")
+    p.add_argument("--worker-nice", type=int, default=0, choices=range(0, 20), metavar="0-19",
+                   help="niceness of the simulated GPU workers (above 0: the router path, "
+                   "the client and NATS go first on a machine of few cores)")
     p.add_argument("--json", type=Path, required=True, help="results JSON (.md beside)")
     return p
 
@@ -296,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "prefixmesh bench-router " + " ".join(argv), "versions": versions(),
         "workers": args.workers, "profile": args.profile, "cpus": os.cpu_count(),
         "reference": args.reference, "prompt": PROMPT, "started": time.time(),
-        "baseline": str(args.baseline or ""), "edges": edge_counts}}
+        "baseline": str(args.baseline or ""), "edges": edge_counts,
+        "worker_nice": args.worker_nice}}
     infra: list[ManagedProcess] = []
     running: list[Running] = []
     try:
@@ -307,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with WorkerGroup(args.workers, LOCAL_POLICY, args.profile, nats_url, SUBJECT_PREFIX,
                          log_dir) as group:
             model = _model_id(group.urls[0])
+            renice([p.pid for p in group.procs], args.worker_nice)
             pids = {"workers": [p.pid for p in group.procs], "nats": [nats.pid]}
             infra_urls = {"nats": nats_url, "redis": redis_url}
             # Routers that talk HTTP only stay up all run; a prefixmesh mesh runs only while

@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 TOKENIZED = Counter("prefixmesh_edge_prompts_tokenized_total",
                     "text and chat prompts tokenized, by where (edge: in place, service: by "
                     "the tokenizer service)", ["where"])
+# Its two series, looked up once (``labels()`` takes a lock and builds a key each call).
+TOKENIZED_HERE, TOKENIZED_BY_SERVICE = TOKENIZED.labels("edge"), TOKENIZED.labels("service")
 
 # Seconds the client is told to wait before retrying when the mesh cannot take a request.
 RETRY_AFTER_S = 1
@@ -172,14 +174,14 @@ class MeshClient:
         local = self.shortcuts.local_tokenizer
         if local is not None and prompt_chars(req) <= local.max_chars:
             reply = handle(local.tok, req)
-            TOKENIZED.labels("edge").inc()
+            TOKENIZED_HERE.inc()
         else:
             try:
                 reply = await self.bus.request(self.bus.subjects.tokenize, req,
                                                TOKENIZER_REPLY, self.timeouts.tokenize_s)
             except BusUnavailable as exc:
                 raise unavailable("tokenizer", exc) from None
-            TOKENIZED.labels("service").inc()
+            TOKENIZED_BY_SERVICE.inc()
         if reply.error is not None:
             status = 400 if reply.error.code == "bad_request" else 500
             raise ApiError(status, reply.error.message, param="messages" if messages else "prompt")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from prefixmesh.loadgen.bench_router import markdown, runs_of, summarize
+import pytest
+
+from prefixmesh.loadgen.bench_router import build_parser, markdown, renice, runs_of, summarize
 from prefixmesh.loadgen.compare import Contender
 
 
@@ -42,3 +47,20 @@ def test_the_summary_splits_the_latency_into_workers_and_path() -> None:
     table = markdown(summarize(rows, "sglang-cache_aware"), "sglang-cache_aware")
     assert "| 64 | prefixmesh-e2 | 1,250 (1,200, 1,300) | 50.0 | 80.0 | 55.0 | 42.0 | 4.0 |" \
         in table
+
+
+def test_worker_nice_lowers_the_workers_priority_and_rejects_what_it_cannot_set() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        start = os.getpriority(os.PRIO_PROCESS, child.pid)
+        renice([child.pid], 0)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == start
+        nicer = min(start + 3, 19)  # only ever nicer: no privilege needed
+        renice([child.pid], nicer)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == nicer
+    finally:
+        child.kill()
+        child.wait()
+    assert build_parser().parse_args(["--json", "x.json"]).worker_nice == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--json", "x.json", "--worker-nice", "20"])
