@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from prefixmesh.loadgen.arrivals import ARRIVAL_SPECS, arrival_times
-from prefixmesh.loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload
+from prefixmesh.loadgen.workloads import WORKLOADS, WorkloadRequest, build_workload, parse_mix
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +36,19 @@ class WorkloadSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
-        return cls(workload=args.mix or args.workload, zipf=args.zipf, prefixes=args.prefixes,
+        """The spec the command line names; exits naming the option when a workload or
+        arrival process is unknown (before any work starts)."""
+        spec = cls(workload=args.mix or args.workload, zipf=args.zipf, prefixes=args.prefixes,
                    arrivals=args.arrivals, seed=args.seed,
                    agents=getattr(args, "agents", None))
+        try:
+            parse_mix(spec.workload)
+        except ValueError as exc:
+            raise SystemExit(f"--{'mix' if args.mix else 'workload'}: {exc}") from None
+        if spec.arrivals.partition(":")[0] not in ARRIVAL_SPECS:
+            raise SystemExit(f"--arrivals: unknown arrival process {spec.arrivals!r} "
+                             f"(known: {', '.join(ARRIVAL_SPECS)}; burst:SIZE)")
+        return spec
 
     def requests(self, count: int) -> list[WorkloadRequest]:
         return build_workload(self.workload, count, self.seed, zipf=self.zipf,

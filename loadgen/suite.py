@@ -52,6 +52,7 @@ from pathlib import Path
 from prefixmesh.loadgen.cluster_sim import ClusterConfig, ClusterSim, pressure_blocks
 from prefixmesh.loadgen.ideal import IDEAL, annotate_ideal
 from prefixmesh.loadgen.options import WorkloadSpec
+from prefixmesh.loadgen.policy_variants import parse_variant
 from prefixmesh.loadgen.sweep import sweep
 from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.services.worker.engine.types import SimEngineConfig
@@ -310,9 +311,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None,
                    help="results (default results/suite-NAME.json)")
     args = p.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    configs = [c for c in SUITES[args.suite]
-               if not args.only or c.name in args.only.split(",")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        p.error("--seeds: at least one seed")
+    if args.requests < 1:
+        p.error(f"--requests must be at least 1, got {args.requests}")
+    if not args.horizon >= 0:  # NaN too
+        p.error(f"--horizon must be 0 or more seconds, got {args.horizon:g}")
+    try:
+        parse_variant(f"e2:{args.e2}")
+    except ValueError as exc:
+        p.error(f"--e2: {exc}")
+    names = [c.name for c in SUITES[args.suite]]
+    only = [n.strip() for n in args.only.split(",") if n.strip()]
+    if unknown := [n for n in only if n not in names]:
+        p.error(f"--only: no configuration {', '.join(map(repr, unknown))} in suite "
+                f"{args.suite!r} (it has: {', '.join(names)})")
+    configs = [c for c in SUITES[args.suite] if not only or c.name in only]
     out = args.json or Path("results") / f"suite-{args.suite}.json"
     rows: list[dict] = []
     summary: dict[str, list[dict]] = {}

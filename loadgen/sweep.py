@@ -200,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
+    if args.cache_pressure < 0:
+        raise SystemExit(f"--cache-pressure must be 0 (off) or more, got {args.cache_pressure:g}")
+    spec = WorkloadSpec.from_args(args)
     policies, locals_ = split_variants(args.policies), split_variants(args.local_policies)
     try:
         for p in policies:
@@ -229,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--max-num-seqs must not exceed the profile's {tokens} tokens "
                              "batched per step")
         engine = SimEngineConfig(max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
-    rows = sweep(WorkloadSpec.from_args(args), args.gpus, parse_floats(args.rates, "rates"),
+    rows = sweep(spec, args.gpus, parse_floats(args.rates, "rates"),
                  policies, locals_, args.profile, args.duration,
                  predictions=modes, trail=trail, engine=engine,
                  replicas=replica_configs(args), gpu_profiles=fleet,

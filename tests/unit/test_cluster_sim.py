@@ -256,6 +256,9 @@ def test_sim_verb_sets_the_engine_limits(tmp_path) -> None:
     with pytest.raises(SystemExit, match="at least 1"):
         sim_main(["--workload", "sharegpt", "--rates", "4", "--max-num-seqs", "0",
                   "--json", str(out)])
+    with pytest.raises(SystemExit, match="--cache-pressure must be 0"):
+        sim_main(["--workload", "sharegpt", "--rates", "4", "--cache-pressure", "-1",
+                  "--json", str(out)])
 
 
 def test_summary_counts_the_failed_requests_messages() -> None:

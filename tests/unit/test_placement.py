@@ -351,6 +351,25 @@ def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
     assert all("e2" in s["policies"] for s in got["summary"]["multiturn-4gpu"])
 
 
+@pytest.mark.parametrize(("args", "named"), [
+    (["--only", "doc0.1-4gpu-poisson,nosuch"], "--only: no configuration 'nosuch'"),
+    (["--e2", "nosuch=1"], "no knob 'nosuch'"),
+    (["--e2", "interference_weight=abc"], "interference_weight"),
+    (["--horizon", "-5"], "--horizon must be 0 or more"),
+    (["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
+    (["--requests", "0"], "--requests must be at least 1"),
+])
+def test_suite_refuses_bad_arguments_before_running_anything(
+        tmp_path, capsys: pytest.CaptureFixture[str], args: list[str], named: str) -> None:
+    from prefixmesh.loadgen.suite import main
+
+    out = tmp_path / "suite.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["--suite", "family", "--json", str(out), *args])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
+    assert not out.exists()  # nothing run, no earlier results overwritten
+
+
 def test_suite_capacity_under_cache_pressure_is_the_peers_knee_on_the_pressured_pool(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import replace

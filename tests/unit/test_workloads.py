@@ -243,3 +243,23 @@ def test_agents_option_reaches_embodied_from_the_cli_spec() -> None:
     assert WorkloadSpec(workload="toolbench").requests(5)
     with pytest.raises(ValueError, match="agents"):
         WorkloadSpec(workload="toolbench", agents=4).requests(5)
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--workload", "nosuch"], "--workload: unknown workload 'nosuch'"),
+    (["--workload", "loogle:0.3,nosuch:0.7"], "--workload: unknown workload 'nosuch'"),
+    (["--workload", "toolbench", "--mix", "toolbench:x"], "--mix: bad weight"),
+    (["--workload", "toolbench", "--arrivals", "azure"], "--arrivals: unknown arrival"),
+])
+def test_the_cli_spec_names_an_unknown_workload_or_arrival_process(argv: list[str],
+                                                                   named: str) -> None:
+    import argparse
+
+    from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
+
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+    with pytest.raises(SystemExit, match=named):
+        WorkloadSpec.from_args(p.parse_args(argv))
+    assert WorkloadSpec.from_args(p.parse_args(["--workload", "loogle:0.3,toolbench:0.7",
+                                                "--arrivals", "burst:8"])).arrivals == "burst:8"
