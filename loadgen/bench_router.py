@@ -283,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{args.concurrency!r}") from None
     if not concurrencies or min(concurrencies) < 1 or args.repeats < 1 or args.duration <= 0:
         raise SystemExit("--concurrency, --repeats and --duration must be positive")
+    if args.workers < 1 or args.warmup < 0:
+        raise SystemExit("--workers must be at least 1 and --warmup at least 0")
     names = parse_names(args.contenders)
     contenders = {n: Contender.parse(n) for n in names if n != DIRECT}
     missing = {n: why for n, c in contenders.items() if (why := available(c))}

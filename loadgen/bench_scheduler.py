@@ -495,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
+    if args.workers < 1 or args.requests < 1 or args.warmup < 0:
+        ap.error("--workers and --requests must be at least 1, --warmup at least 0")
+    if args.rate is not None and not args.rate > 0:
+        ap.error(f"--rate must be positive, got {args.rate:g}")
     rate = args.rate
     if rate is None and args.scale_rate:
         rate = DEFAULT_RATE[args.workload] * args.workers / 16

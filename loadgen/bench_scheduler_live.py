@@ -306,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.step_ms < 0:
         ap.error("--step-ms must be at least 0 (0: no completion records)")
-    if args.requests < 1 or args.warmup < 0 or args.in_flight < 1:
-        ap.error("--requests and --in-flight must be at least 1, --warmup at least 0")
+    if (args.requests < 1 or args.warmup < 0 or args.in_flight < 1 or args.workers < 1
+            or args.schedulers < 1):
+        ap.error("--requests, --in-flight, --workers and --schedulers must be at least 1, "
+                 "--warmup at least 0")
     if args.external_scheduler and not args.nats_url:
         ap.error("--external-scheduler needs --nats-url")
     if args.external_scheduler and (args.stalls or args.baseline or args.profile):

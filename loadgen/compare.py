@@ -427,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, workload_argv = build_parser().parse_known_args(argv)
     workload_argv = ["--workload", args.workload, *workload_argv]
-    rates = parse_floats(args.rates, "--rates")
+    rates = parse_floats(args.rates, "rates")
     profiles: tuple[str, ...] = ()
     if args.gpu_profiles:
         try:

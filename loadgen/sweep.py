@@ -200,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
+    if not args.duration > 0:
+        raise SystemExit(f"--duration must be positive, got {args.duration:g}")
     if args.cache_pressure < 0:
         raise SystemExit(f"--cache-pressure must be 0 (off) or more, got {args.cache_pressure:g}")
     spec = WorkloadSpec.from_args(args)

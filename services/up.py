@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from prefixmesh.services.scheduler.policies import DEFAULT_POLICY
+from prefixmesh.services.scheduler.policies import DEFAULT_POLICY, POLICY_NAMES
 from prefixmesh.services.worker.engine.registry import BACKENDS
 from prefixmesh.services.worker.local import DEFAULT_LOCAL_POLICY, LOCAL_POLICIES
 from prefixmesh.shared.costmodel import (
@@ -84,7 +84,7 @@ class MeshOptions:
                                "cluster (JetStream replicated on up to 3) on free ports; 1, "
                                "one server, only when none listens at --nats-url")
     backend: str = option("sim", "engine backend of the workers", choices=tuple(BACKENDS))
-    policy: str = option(DEFAULT_POLICY, "global scheduling policy")
+    policy: str = option(DEFAULT_POLICY, "global scheduling policy", choices=POLICY_NAMES)
     local_policy: str = option(DEFAULT_LOCAL_POLICY, "workers' local queue policy",
                                choices=LOCAL_POLICIES)
     profile: str = option(DEFAULT_PROFILE, "cost-model profile of the simulated GPUs",

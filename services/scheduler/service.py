@@ -126,7 +126,7 @@ E2_DECISION_KINDS = ("exploit", "explore", "affinity", "pd_balance", "rebalance"
 
 @dataclass(frozen=True)
 class SchedulerConfig(CommonConfig):
-    policy: str = option(DEFAULT_POLICY, "global policy: " + ", ".join(POLICY_NAMES))
+    policy: str = option(DEFAULT_POLICY, "global scheduling policy", choices=POLICY_NAMES)
     profile: str = option(DEFAULT_PROFILE, "cost-model profile used for load estimates")
     load_interval_s: float = option(0.25, "workers' load report period (seconds)")
     missed_reports: int = option(3, "a worker silent for this many periods leaves routing")

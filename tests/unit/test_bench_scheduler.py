@@ -44,3 +44,20 @@ def test_feedback_is_timed_apart_from_the_decisions():
     fed = row["feedback_us_per_decision"]
     assert set(fed) == {"kv_events", "done", "load", "tick"}
     assert all(v > 0 for v in fed.values())
+
+
+def test_bad_counts_are_refused_before_any_work(capsys):
+    import pytest
+
+    from prefixmesh.loadgen.bench_scheduler_live import main as live_main
+
+    for argv, named in ((["--workers", "0"], "--workers and --requests must be at least 1"),
+                        (["--requests", "0"], "--workers and --requests must be at least 1"),
+                        (["--rate", "0"], "--rate must be positive")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and named in capsys.readouterr().err
+    for argv in (["--schedulers", "0"], ["--workers", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            live_main(argv)  # refused before any server or scheduler starts
+        assert exc.value.code == 2 and "--schedulers must be at least 1" in capsys.readouterr().err

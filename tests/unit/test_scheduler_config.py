@@ -26,3 +26,15 @@ def test_policy_knobs_come_from_env_and_cli(monkeypatch):
 def test_service_builds_its_policy_with_the_knobs():
     svc = SchedulerService(SchedulerConfig(), PolicyConfig(window_s=42.0, th_bal=2.0))
     assert svc.policy.cfg.window_s == 42.0 and svc.policy.cfg.th_bal == 2.0
+
+
+def test_an_unknown_policy_is_refused_at_configuration(monkeypatch):
+    import pytest
+
+    from prefixmesh.shared.runtime.config import from_sources
+
+    monkeypatch.setenv("PM_POLICY", "nosuch")
+    with pytest.raises(SystemExit, match="policy must be one of e2, round_robin"):
+        from_sources(SchedulerConfig)
+    monkeypatch.setenv("PM_POLICY", "cache_aware")
+    assert from_sources(SchedulerConfig).policy == "cache_aware"
