@@ -52,6 +52,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # Also report these tokens' log-probabilities at each output position, whatever their
     # rank (``/v1/score``: every candidate's). Empty = only the ``logprobs`` most likely.
     logprob_token_ids: list[int] = []
+    # OpenAI's penalties on tokens already generated (-2..2): each next token's logit is
+    # lowered by ``presence_penalty`` if the token occurred in the output so far and by
+    # ``frequency_penalty`` times the times it did.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):

@@ -28,6 +28,21 @@ def test_parsed_sampling_is_the_wire_struct_with_everything_asked_for() -> None:
                                         allowed_token_ids=[5, 7])
 
 
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+def test_penalties_reach_the_worker_and_are_bounded_as_openai_bounds_them(name: str) -> None:
+    assert getattr(parse_completion(_completion(**{name: -1.5}), MODELS, 50).sampling,
+                   name) == -1.5
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                       name: 2}).encode()
+    assert getattr(parse_chat(chat, MODELS).sampling, name) == 2.0
+    assert getattr(parse_completion(_completion(**{name: None}), MODELS, 50).sampling,
+                   name) == 0.0
+    with pytest.raises(ApiError) as err:
+        parse_completion(_completion(**{name: 2.5}), MODELS, vocab_size=50)
+    assert err.value.status == 400 and err.value.param == name
+    assert f"{name} must be between -2 and 2, got 2.5" in err.value.message
+
+
 @pytest.mark.parametrize("max_tokens", [100, 5000])
 def test_max_tokens_beyond_the_context_is_a_400_that_says_so(max_tokens: int) -> None:
     with pytest.raises(ApiError) as err:

@@ -372,7 +372,8 @@ class HfEngine(QueuedEngine, CachedEngine, BlockChains):
                                  logits_to_keep=1, output_hidden_states=layer is not None)
                 logits = out.logits[0, -1]
                 hidden = out.hidden_states[layer][0, -1] if layer is not None else None
-            picked = pick(logits, seq.sampling, seq.gen) if sample else None
+            picked = (pick(logits, seq.sampling, seq.gen, req.output_token_ids)
+                      if sample else None)
             hidden = hidden.numpy().copy() if hidden is not None else None
         return (picked.token if picked else None, hidden, time.perf_counter() - t0, picked)
 

@@ -11,11 +11,15 @@ same token from an unrestricted completion of the same prompt.
 - ``logprobs: k`` reports the sampled token's log-probability and the ``k`` most likely
   tokens' (OpenAI's and vLLM's ``top_logprobs``);
 - ``logprob_token_ids`` (set by ``/v1/score``) adds those tokens' log-probabilities to the
-  top list whatever their rank.
+  top list whatever their rank;
+- ``presence_penalty`` / ``frequency_penalty`` lower the logits of the tokens the request
+  has generated so far before the choice (OpenAI's definition, as vLLM applies it); the
+  reported log-probabilities stay the model's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +45,17 @@ def wants_logprobs(s: SamplingParams) -> bool:
     return s.logprobs is not None or bool(s.logprob_token_ids)
 
 
-def pick(logits: Any, s: SamplingParams, gen: Any) -> Picked:
-    """The next token from one position's logits (``[vocab]``), per ``s``."""
+def pick(logits: Any, s: SamplingParams, gen: Any, output: Sequence[int] = ()) -> Picked:
+    """The next token from one position's logits (``[vocab]``), per ``s``; ``output``: the
+    tokens the request generated before this one (for the penalties)."""
     import torch
 
     logits = logits.float()
-    masked = logits
+    masked = shaped = penalized(logits, s, output)
     if s.allowed_token_ids:
         idx = torch.tensor(s.allowed_token_ids, dtype=torch.long)
         masked = torch.full_like(logits, float("-inf"))
-        masked[idx] = logits[idx]
+        masked[idx] = shaped[idx]
     token = _sample(masked, s, gen)
     if not wants_logprobs(s):
         return Picked(token)
@@ -65,6 +70,19 @@ def pick(logits: Any, s: SamplingParams, gen: Any) -> Picked:
             seen.add(t)
             top.append((t, float(lps[t])))
     return Picked(token, float(lps[token]), tuple(top))
+
+
+def penalized(logits: Any, s: SamplingParams, output: Sequence[int]) -> Any:
+    """``logits`` less the presence and frequency penalties of the tokens in ``output``
+    (``logits`` itself when there are none)."""
+    import torch
+
+    if not output or not (s.presence_penalty or s.frequency_penalty):
+        return logits
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long),
+                            minlength=logits.shape[0])[: logits.shape[0]].to(logits.dtype)
+    return logits - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).to(
+        logits.dtype)
 
 
 def _sample(logits: Any, s: SamplingParams, gen: Any) -> int:

@@ -249,6 +249,8 @@ class VllmEngine(QueuedEngine):
                 top_p=sampling.top_p, seed=sampling.seed, stop=list(sampling.stop) or None,
                 ignore_eos=sampling.ignore_eos, logprobs=self._vllm_logprobs(sampling),
                 allowed_token_ids=list(sampling.allowed_token_ids) or None,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
                 output_kind=RequestOutputKind.DELTA)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"request {req.request_id!r}: {exc}") from exc
