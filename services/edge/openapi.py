@@ -72,8 +72,8 @@ def _schemas(cfg: EdgeConfig) -> dict[str, Any]:
         "user": {"type": "string", "nullable": True},
         "ignore_eos": {"type": "boolean", "description": "vLLM extension: generate exactly "
                        "max_tokens"},
-        "presence_penalty": {"type": "number", "nullable": True},
-        "frequency_penalty": {"type": "number", "nullable": True},
+        "presence_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "nullable": True, "minimum": -2, "maximum": 2},
     }
     usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens",
                                             "total_tokens"], "properties": {

@@ -75,11 +75,17 @@ class _Common(msgspec.Struct):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # Read only to refuse them (``_refuse_unsupported``): dropped silently they would change
+    # what the client asked for without a word.
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class _CompletionBody(_Common):
     prompt: Any = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
     logprobs: int | None = None
     # vLLM extension: restrict generated tokens to these ids.
     allowed_token_ids: list[int] | None = None
@@ -96,6 +102,8 @@ class _ChatBody(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
 
 @dataclass(slots=True)
@@ -192,6 +200,27 @@ def _check_common(b: _Common, models: Mapping[str, int]) -> None:
     check_model(b.model, models)
     if not 1 <= b.n <= MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}", param="n")
+    _refuse_unsupported(b)
+
+
+def _refuse_unsupported(b: _Common) -> None:
+    """400 naming an OpenAI option no backend here serves, when the request uses it (an
+    empty or neutral value passes: clients often send those)."""
+    if b.logit_bias:
+        raise ApiError(400, "logit_bias is not supported (allowed_token_ids restricts the "
+                       "tokens instead)", param="logit_bias")
+    if b.response_format and b.response_format.get("type", "text") != "text":
+        raise ApiError(400, f"response_format {b.response_format.get('type')!r} is not "
+                       "supported: no guided decoding here, only text", param="response_format")
+    if isinstance(b, _CompletionBody):
+        if b.best_of is not None and b.best_of != b.n:
+            raise ApiError(400, "best_of is not supported apart from best_of equal to n "
+                           "(n samples are returned as they are)", param="best_of")
+        if b.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+    if isinstance(b, _ChatBody) and (b.tools or b.tool_choice not in (None, "none")):
+        raise ApiError(400, "tools are not supported: no tool-call parsing here",
+                       param="tools" if b.tools else "tool_choice")
 
 
 def parse_prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:

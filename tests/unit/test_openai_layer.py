@@ -43,6 +43,36 @@ def test_penalties_reach_the_worker_and_are_bounded_as_openai_bounds_them(name: 
     assert f"{name} must be between -2 and 2, got 2.5" in err.value.message
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "end"}, "suffix"),
+])
+def test_options_no_backend_serves_are_refused_not_dropped(extra: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_completion(_completion(**extra), MODELS, vocab_size=50)
+    assert err.value.status == 400 and err.value.param == param
+    assert param in err.value.message and "not supported" in err.value.message
+    # Their empty or neutral values pass, as clients often send them.
+    for neutral in ({"logit_bias": {}}, {"response_format": {"type": "text"}},
+                    {"best_of": 2, "n": 2}, {"suffix": ""}):
+        assert parse_completion(_completion(**neutral), MODELS, vocab_size=50)
+
+
+def test_chat_refuses_tools_it_cannot_call() -> None:
+    def chat(**extra) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                           **extra}).encode()
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    for extra, param in (({"tools": [tool]}, "tools"), ({"tool_choice": "auto"}, "tool_choice")):
+        with pytest.raises(ApiError) as err:
+            parse_chat(chat(**extra), MODELS)
+        assert err.value.status == 400 and err.value.param == param
+    assert parse_chat(chat(tools=[], tool_choice="none"), MODELS).kind == "chat"
+
+
 @pytest.mark.parametrize("max_tokens", [100, 5000])
 def test_max_tokens_beyond_the_context_is_a_400_that_says_so(max_tokens: int) -> None:
     with pytest.raises(ApiError) as err:
