@@ -19,8 +19,10 @@ from prefixmesh.loadgen.cluster_sim import ClusterConfig
 from prefixmesh.loadgen.options import WorkloadSpec, add_workload_args
 from prefixmesh.loadgen.sim_replicas import ReplicaConfig
 from prefixmesh.loadgen.sweep import simulate
+from prefixmesh.services.scheduler.policies import POLICY_NAMES
 from prefixmesh.services.up import LocalMesh, MeshOptions
-from prefixmesh.shared.costmodel import DEFAULT_PROFILE
+from prefixmesh.services.worker.local import LOCAL_POLICIES
+from prefixmesh.shared.costmodel import DEFAULT_PROFILE, available_profiles
 from prefixmesh.shared.runtime.servers import free_port
 
 
@@ -61,13 +63,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--rate", type=float, default=10.0)
     p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--policy", default="e2")
-    p.add_argument("--local-policy", default="prefix_fair")
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--policy", default="e2", choices=POLICY_NAMES)
+    p.add_argument("--local-policy", default="prefix_fair", choices=LOCAL_POLICIES)
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=available_profiles())
     p.add_argument("--schedulers", type=int, default=1,
                    help="scheduler replicas routing at once (live: up --schedulers N)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.workers < 1 or args.schedulers < 1:
+        p.error("--workers and --schedulers must be at least 1")
+    if not (args.rate > 0 and args.duration > 0):
+        p.error("--rate and --duration must be positive")
     out = run_fidelity(WorkloadSpec.from_args(args), args.workers, args.rate, args.duration,
                        args.policy, args.local_policy, args.profile, args.schedulers)
     text = json.dumps(out, indent=1)

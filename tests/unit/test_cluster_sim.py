@@ -294,3 +294,17 @@ def test_trail_report_averages_seeds_and_pairs_preemption_on_and_off() -> None:
     assert cells[:6] == ["4", "2.00", "2", "20.00 / 10.00 / 0", "10.00 / 5.00 / 6",
                          "11.00 / 5.50 / 0"]
     assert cells[6:] == ["2.00", "1.82", "1.100; +10.0%"]
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--workers", "0"], "--workers and --schedulers must be at least 1"),
+    (["--rate", "-1"], "--rate and --duration must be positive"),
+    (["--policy", "nosuch"], "invalid choice: 'nosuch'"),
+])
+def test_fidelity_refuses_bad_arguments_before_starting_a_mesh(
+        capsys: pytest.CaptureFixture[str], argv: list[str], named: str) -> None:
+    from prefixmesh.loadgen.fidelity import main as fidelity_main
+
+    with pytest.raises(SystemExit) as exc:
+        fidelity_main(["--workload", "toolbench", *argv])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
