@@ -176,15 +176,17 @@ def _sampling(b: _Common, max_tokens: int | None, context_length: int, cap: int,
                        param="stop")
     if b.seed is not None and not -(2**63) <= b.seed < 2**64:
         raise ApiError(400, "seed must fit in 64 bits", param="seed")
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(b, name)
-        if value is not None and not -2.0 <= value <= 2.0:
-            raise ApiError(400, f"{name} must be between -2 and 2, got {value:g}", param=name)
-        penalties[name] = value or 0.0
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           seed=b.seed, stop=stop, ignore_eos=b.ignore_eos, logprobs=logprobs,
-                          **penalties)
+                          presence_penalty=_penalty(b.presence_penalty, "presence_penalty"),
+                          frequency_penalty=_penalty(b.frequency_penalty, "frequency_penalty"))
+
+
+def _penalty(value: float | None, name: str) -> float:
+    """A presence or frequency penalty: OpenAI's range, -2 to 2 (None: 0)."""
+    if value is not None and not -2.0 <= value <= 2.0:
+        raise ApiError(400, f"{name} must be between -2 and 2, got {value:g}", param=name)
+    return value or 0.0
 
 
 def check_model(name: str, models: Collection[str]) -> None:
