@@ -42,7 +42,8 @@ def test_live_bench_refuses_no_timed_request(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exc:
         main(["--requests", "0"])
     assert exc.value.code == 2
-    assert "--requests and --in-flight must be at least 1" in capsys.readouterr().err
+    assert "--requests, --in-flight, --workers and --schedulers must be at least 1" in (
+        capsys.readouterr().err)
 
 
 def test_live_bench_refuses_a_negative_step(capsys: pytest.CaptureFixture[str]) -> None:
