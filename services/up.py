@@ -33,7 +33,7 @@ from prefixmesh.shared.costmodel import (
     parse_gpu_profiles,
 )
 from prefixmesh.shared.models import card_for
-from prefixmesh.shared.runtime.config import option
+from prefixmesh.shared.runtime.config import PORT, option
 from prefixmesh.shared.runtime.servers import (
     ManagedProcess,
     NatsCluster,
@@ -95,8 +95,8 @@ class MeshOptions:
                                "as its default and prices each worker by the profile its "
                                "load reports name")
     host: str = option("127.0.0.1", "edge and metrics listen address")
-    port: int = option(8000, "edge port (0 = any free port)")
-    metrics_port: int = option(9100, "metrics service port (0 = any free port)")
+    port: int = option(8000, "edge port (0 = any free port)", bounds=PORT)
+    metrics_port: int = option(9100, "metrics service port (0 = any free port)", bounds=PORT)
     nats_url: str = option("nats://127.0.0.1:4222", "NATS to use; started here when nothing "
                            "listens there")
     redis_url: str = option("redis://127.0.0.1:6379/0", "Redis to use; started here when "

@@ -8,13 +8,13 @@ from functools import cached_property
 from prefixmesh.shared.bus import BatchLimits
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 from prefixmesh.shared.models import DEFAULT_MODEL, known_cards
-from prefixmesh.shared.runtime.config import CommonConfig, option
+from prefixmesh.shared.runtime.config import PORT, CommonConfig, option
 
 
 @dataclass(frozen=True)
 class EdgeConfig(CommonConfig):
     host: str = option("127.0.0.1", "address the HTTP API listens on")
-    port: int = option(8000, "port of the HTTP API (0 = any free port)")
+    port: int = option(8000, "port of the HTTP API (0 = any free port)", bounds=PORT)
     reuse_port: bool = option(False, "share --port with the other edges of this host that "
                               "set it too (SO_REUSEPORT, Linux): the kernel spreads new "
                               "connections over them, one address for all; give each its "

@@ -16,7 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from prefixmesh.services.metrics.cluster import ClusterView
 from prefixmesh.shared.bus import Bus
-from prefixmesh.shared.runtime.config import CommonConfig, option
+from prefixmesh.shared.runtime.config import PORT, CommonConfig, option
 from prefixmesh.shared.runtime.lifecycle import TaskSet
 from prefixmesh.shared.runtime.metrics import (
     LATENCY_BUCKETS_S,
@@ -67,7 +67,8 @@ VIEW = web.AppKey("view", ClusterView)
 @dataclass(frozen=True)
 class MetricsConfig(CommonConfig):
     host: str = option("127.0.0.1", "address of the metrics HTTP server")
-    port: int = option(9100, "port of /, /cluster, /metrics and /health (0 = any free port)")
+    port: int = option(9100, "port of /, /cluster, /metrics and /health (0 = any free port)",
+                       bounds=PORT)
     sample_interval_s: float = option(1.0, "period of the dashboard's history points (seconds)")
 
 

@@ -17,7 +17,7 @@ from prefixmesh.services.worker.local import (
 from prefixmesh.services.worker.local.batch_groups import DEFAULT_MEMORY_THRESHOLD
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE
 from prefixmesh.shared.models import ModelCard, card_for
-from prefixmesh.shared.runtime.config import CommonConfig, option
+from prefixmesh.shared.runtime.config import PORT, CommonConfig, option
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class WorkerConfig(CommonConfig):
     mesh: bool = option(True, "join the mesh over NATS (--no-mesh: serve HTTP only)")
     http_host: str = option("127.0.0.1", "address of the standalone HTTP API (with http_port)")
     http_port: int = option(0, "serve the OpenAI / SGLang / vLLM-compatible HTTP API on this "
-                            "port beside the mesh subjects (0 = no HTTP)")
+                            "port beside the mesh subjects (0 = no HTTP)", bounds=PORT)
     max_model_len: int = option(0, "longest prompt + max_tokens accepted (tokens; 0 = the "
                                 "served model's context length, shared/models.py)")
     max_num_seqs: int = option(0, "hf: requests run at once, interleaved one forward pass "

@@ -23,8 +23,13 @@ ENV_PREFIX = "PM_"
 T = TypeVar("T", bound="DataclassInstance")
 
 
+# ``bounds`` of a TCP port option (0: any free port, or none, as its help says).
+PORT = (0, 65535)
+
+
 def option(default: Any, help: str, **kw: Any) -> Any:
-    """A config field with a default and a help text (shown in ``--help``)."""
+    """A config field with a default and a help text (shown in ``--help``); ``choices``
+    (the values allowed) and ``bounds`` (lowest, highest) are checked at load."""
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
@@ -39,7 +44,8 @@ class CommonConfig:
     log_level: str = option("INFO", "logging level: DEBUG, INFO, WARNING, ERROR")
     log_json: bool = option(False, "log one JSON object per line instead of text")
     drain_timeout_s: float = option(5.0, "seconds to finish in-flight work on shutdown")
-    metrics_port: int = option(0, "port of a Prometheus /metrics endpoint (0 = none)")
+    metrics_port: int = option(0, "port of a Prometheus /metrics endpoint (0 = none)",
+                               bounds=PORT)
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> type:
@@ -114,6 +120,10 @@ def from_sources(cls: type[T], args: argparse.Namespace | None = None,
         choices = f.metadata.get("choices")
         if choices and f.name in values and values[f.name] not in choices:
             raise SystemExit(f"{f.name} must be one of {', '.join(choices)}")
+        bounds = f.metadata.get("bounds")
+        if bounds and f.name in values and not bounds[0] <= values[f.name] <= bounds[1]:
+            raise SystemExit(f"{f.name} must be between {bounds[0]} and {bounds[1]}, got "
+                             f"{values[f.name]}")
     return cls(**values)
 
 

@@ -60,3 +60,11 @@ def test_defaults_env_then_cli_precedence() -> None:
 def test_bad_env_value_is_a_clear_error() -> None:
     with pytest.raises(SystemExit, match="PM_WORKERS"):
         _parse([], {"PM_WORKERS": "many"})
+
+
+def test_a_port_out_of_range_is_refused_from_the_env_and_the_cli() -> None:
+    with pytest.raises(SystemExit, match="metrics_port must be between 0 and 65535, got 99999"):
+        _parse(["--metrics-port", "99999"], {})
+    with pytest.raises(SystemExit, match="metrics_port must be between 0 and 65535, got -1"):
+        _parse([], {"PM_METRICS_PORT": "-1"})
+    assert _parse([], {"PM_METRICS_PORT": "65535"}).metrics_port == 65535
