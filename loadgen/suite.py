@@ -29,6 +29,12 @@ most starved one: on ``multiturn`` 242 blocks a GPU at load 0.3 against 719 at 0
 
 Configurations without cache pressure keep ``ideal``'s knee (the same probes as before).
 
+A run's length: its heaviest load holds ``--requests`` requests (the lighter loads the
+first of them, over the same time), or ``--requests-per-gpu`` N x the configuration's
+GPUs (the same work per GPU in every configuration: with a fixed count a 16-GPU run is a
+quarter as long per GPU as a 4-GPU one, little more than its cold start), or with
+``--horizon`` at least that many seconds of arrivals.
+
 Printed per configuration and load (means over the seeds): E2's average and p99 over the
 best other policy's (< 1: E2 ahead), E2 over ``cache_aware``, and every policy's distance
 from ``ideal``. The JSON (``results/suite-NAME.json`` by default) holds every run and
@@ -93,6 +99,10 @@ class SuiteConfig:
     def fleet(self) -> tuple[str, ...]:
         return parse_gpu_profiles(self.gpu_profiles) if self.gpu_profiles else ()
 
+    def gpu_count(self) -> int:
+        """GPUs of the configuration: its mixed fleet's, else ``gpus``."""
+        return len(self.fleet()) or self.gpus
+
 
 # A fleet of two GPU generations: two H100s beside two A6000s.
 MIXED_FLEET = "mistral-7b-h100:2,mistral-7b-a6000:2"
@@ -147,7 +157,7 @@ def _probe_avg(cfg: SuiteConfig, spec: WorkloadSpec, rate: float, policy: str,
     n = run_requests(rate, PROBE_REQUESTS, PROBE_S)
     reqs = spec.requests(n)
     fleet = cfg.fleet()
-    run = ClusterSim(ClusterConfig(gpus=len(fleet) or cfg.gpus, policy=policy,
+    run = ClusterSim(ClusterConfig(gpus=cfg.gpu_count(), policy=policy,
                                    gpu_profiles=fleet, engine_config=engine)
                      ).run(reqs, spec.times(rate, n))
     done = [r.latency_s for r in run.results if r.ok]
@@ -158,7 +168,7 @@ def fleet_blocks(cfg: SuiteConfig, spec: WorkloadSpec, requests: int) -> int:
     """KV blocks of each GPU of a configuration under cache pressure, for ``spec``'s seed:
     the working set of its heaviest run's ``requests`` requests is ``cache_pressure`` times
     the fleet's cache."""
-    return pressure_blocks(spec.requests(requests), len(cfg.fleet()) or cfg.gpus,
+    return pressure_blocks(spec.requests(requests), cfg.gpu_count(),
                            cfg.cache_pressure)
 
 
@@ -171,7 +181,7 @@ def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
     each rate, each GPU with the KV blocks of the configuration's heaviest run
     (``requests`` requests; see the module docstring)."""
     spec = WorkloadSpec(cfg.workload, arrivals="poisson", seed=seed)
-    gpus = len(cfg.fleet()) or cfg.gpus
+    gpus = cfg.gpu_count()
     refs: list[str] = [IDEAL]
     engine = None
     if cfg.cache_pressure > 0:
@@ -304,6 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="S > 0: each run's heaviest load spans at least S seconds of arrivals "
                    f"(up to {4 * PROBE_REQUESTS} requests; not under cache pressure, whose pool "
                    "is sized from --requests); default 0: exactly --requests")
+    p.add_argument("--requests-per-gpu", type=int, default=0, metavar="N",
+                   help="N > 0: the heaviest load of each configuration runs N x its GPUs "
+                   "requests (the same work per GPU in every configuration) instead of "
+                   "--requests")
     p.add_argument("--only", default="", help="comma-separated configuration names to run")
     p.add_argument("--e2", default="", metavar="KNOBS",
                    help="judge this E2 variant instead of the default: PolicyConfig "
@@ -317,8 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if not seeds:
         p.error("--seeds: at least one seed")
-    if args.requests < 1:
-        p.error(f"--requests must be at least 1, got {args.requests}")
+    if args.requests < 1 or args.requests_per_gpu < 0:
+        p.error("--requests must be at least 1 and --requests-per-gpu at least 0")
     if not args.horizon >= 0:  # NaN too
         p.error(f"--horizon must be 0 or more seconds, got {args.horizon:g}")
     try:
@@ -336,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     for cfg in configs:
-        got = run_config(cfg, seeds, args.requests, args.e2, args.horizon)
+        requests = args.requests_per_gpu * cfg.gpu_count() or args.requests
+        got = run_config(cfg, seeds, requests, args.e2, args.horizon)
         rows.extend(got)
         summary[cfg.name] = summarize_config(got)
         print(f"  {cfg.name}: done ({time.perf_counter() - t0:.0f}s wall)", file=sys.stderr,
@@ -345,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"suite": args.suite, "seeds": seeds, "loads": LOADS,
                                "e2_knobs": args.e2, "requests": args.requests,
+                               "requests_per_gpu": args.requests_per_gpu,
                                "horizon_s": args.horizon,
                                "configs": [asdict(c) for c in configs], "summary": summary,
                                "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)},

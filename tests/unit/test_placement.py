@@ -482,3 +482,26 @@ def test_the_mixed_suite_runs_every_policy_on_the_mixed_fleet(
     for r in e2:
         counts = sorted(r["worker_requests"].items())
         assert sum(c for _, c in counts[:2]) > sum(c for _, c in counts[2:]), counts
+
+
+def test_suite_runs_the_same_requests_per_gpu_on_every_fleet_size(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from prefixmesh.loadgen import suite
+
+    seen: dict[str, int] = {}
+
+    def fake_run(cfg, seeds, requests, e2_knobs="", horizon_s=0.0):
+        seen[cfg.name] = requests
+        return []
+
+    monkeypatch.setattr(suite, "run_config", fake_run)
+    monkeypatch.setattr(suite, "summarize_config", lambda rows: [])
+    names = "doc0.1-4gpu-poisson,doc0.5-8gpu-azconv,doc0.3-16gpu-poisson,hetero-h100+a6000-doc0.3"
+    out = tmp_path / "s.json"
+    assert suite.main(["--suite", "family", "--only", names, "--requests-per-gpu", "125",
+                       "--json", str(out)]) == 0
+    assert seen == {"doc0.1-4gpu-poisson": 500, "doc0.5-8gpu-azconv": 1000,
+                    "doc0.3-16gpu-poisson": 2000, "hetero-h100+a6000-doc0.3": 500}
+    seen.clear()
+    assert suite.main(["--suite", "family", "--only", names, "--json", str(out)]) == 0
+    assert set(seen.values()) == {suite.REQUESTS}  # without it: --requests everywhere
