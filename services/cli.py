@@ -43,6 +43,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         from prefixmesh.shared.runtime.servers import port_open
 
         ports = opts.edge_ports
+        if opts.port + ports - 1 > 65535:
+            print(f"--port: the edges need ports {opts.port}-{opts.port + ports - 1}, past "
+                  "65535", file=sys.stderr)
+            return 2
         taken = [opts.port + i for i in range(ports) if port_open(opts.host, opts.port + i)]
         if taken:
             need = (f"port {opts.port}" if ports == 1

@@ -95,3 +95,6 @@ def test_edge_ports_are_a_free_block_and_a_taken_one_is_refused(
     for flag in ("--edges", "--schedulers", "--tokenizers", "--nats-cluster", "--workers"):
         assert cli_main(["up", flag, "0"]) == 2
         assert f"{flag} must be at least 1" in capsys.readouterr().err
+    # A block of edge ports that would run past the last TCP port.
+    assert cli_main(["up", "--port", "65535", "--edges", "2"]) == 2
+    assert "the edges need ports 65535-65536, past 65535" in capsys.readouterr().err
