@@ -40,12 +40,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"--{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
     if opts.port:
+        from prefixmesh.shared.runtime.config import PORT
         from prefixmesh.shared.runtime.servers import port_open
 
         ports = opts.edge_ports
-        if opts.port + ports - 1 > 65535:
+        if opts.port + ports - 1 > PORT[1]:
             print(f"--port: the edges need ports {opts.port}-{opts.port + ports - 1}, past "
-                  "65535", file=sys.stderr)
+                  f"{PORT[1]}", file=sys.stderr)
             return 2
         taken = [opts.port + i for i in range(ports) if port_open(opts.host, opts.port + i)]
         if taken:
