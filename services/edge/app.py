@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -17,6 +19,7 @@ from prometheus_client import Counter, Histogram
 from prefixmesh.services.edge.auth import KeyResolver
 from prefixmesh.services.edge.completion import complete, run_choice, token_prompts
 from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.front import Answer, Declined
 from prefixmesh.services.edge.openapi import openapi_document
 from prefixmesh.services.edge.pipeline import MeshClient
 from prefixmesh.services.edge.scoring import parse_score, score
@@ -54,6 +57,8 @@ TENANT = web.RequestKey("tenant", str)
 # Client-supplied x-request-id values echoed back: at most this long, these characters.
 _CLIENT_ID_MAX = 128
 _CLIENT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+# A JSON body's ``"stream": true`` (the key cannot occur unescaped inside a string).
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 REQUESTS = Counter("prefixmesh_edge_requests_total", "HTTP requests by route and status",
                    ["route", "status"])
@@ -119,20 +124,24 @@ class RequestMetrics:
 METRICS = web.AppKey("metrics", RequestMetrics)
 
 
+def _request_id(client: str, fallback: str | None) -> str:
+    """The ``x-request-id`` a response carries: the client's own (echoed, as proxies do)
+    when it sent a well-formed one, else ``fallback`` (the response's id) or a new
+    ``req-`` id."""
+    if client and len(client) <= _CLIENT_ID_MAX and set(client) <= _CLIENT_ID_CHARS:
+        return client
+    return fallback or "req-" + uuid.uuid4().hex
+
+
 @web.middleware
 async def request_id_middleware(request: web.Request,
                                 handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                                 ) -> web.StreamResponse:
-    """Every response carries ``x-request-id``: the client's own (echoed, as proxies do)
-    when it sent a well-formed one, else the response's id (generation routes) or a new
-    ``req-`` id."""
+    """Every response carries ``x-request-id`` (``_request_id``)."""
     resp = await handler(request)
-    client = request.headers.get("x-request-id", "")
     if not resp.prepared:
-        if client and len(client) <= _CLIENT_ID_MAX and set(client) <= _CLIENT_ID_CHARS:
-            resp.headers["x-request-id"] = client
-        elif "x-request-id" not in resp.headers:
-            resp.headers["x-request-id"] = "req-" + uuid.uuid4().hex
+        resp.headers["x-request-id"] = _request_id(request.headers.get("x-request-id", ""),
+                                                   resp.headers.get("x-request-id"))
     return resp
 
 
@@ -146,33 +155,61 @@ async def auth_middleware(request: web.Request,
     return await handler(request)
 
 
-async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
-    # 128 random bits, as uuid4's, without building a UUID.
-    rid = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + os.urandom(16).hex()
-    bind_request(rid)
-    tenant = request.get(TENANT, "")
-    admission = request.app[ADMISSION]
+def _parse(cfg: EdgeConfig, path: str, body: bytes) -> ParsedRequest:
+    """A completion route's body (the route says text or chat)."""
+    if path.endswith("/chat/completions"):
+        return parse_chat(body, cfg.context_lengths, cfg.max_tokens_limit)
+    return parse_completion(body, cfg.context_lengths, cfg.vocab_size, cfg.max_tokens_limit)
+
+
+@contextmanager
+def _admitted(app: web.Application, tenant: str) -> Iterator[None]:
+    """Within the tenant's and the edge's limits for the request's life (429 / 503)."""
+    admission = app[ADMISSION]
     admission.enter(tenant, time.monotonic())
     try:
-        return await _generate_admitted(request, parsed, rid, tenant)
+        yield
     finally:
         admission.leave(tenant)
 
 
-async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: str,
-                             tenant: str) -> web.StreamResponse:
+def _new_id(parsed: ParsedRequest) -> str:
+    # 128 random bits, as uuid4's, without building a UUID.
+    rid = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + os.urandom(16).hex()
+    bind_request(rid)
+    return rid
+
+
+async def _json_completion(app: web.Application, route: str, parsed: ParsedRequest,
+                           rid: str, tenant: str) -> bytes:
+    """A completion answered in one JSON body (not streamed)."""
+    mesh, cfg = app[MESH], app[CONFIG]
+    started = time.monotonic()
+    prompts = await token_prompts(mesh, rid, parsed)
+    body, usage = await complete(mesh, cfg, parsed, rid, prompts, tenant)
+    app[METRICS].observe(route, usage, time.monotonic() - started, None, tenant)
+    # msgspec writes the body several times faster than json.dumps.
+    return msgspec.json.encode(body)
+
+
+async def _generate(request: web.Request, parsed: ParsedRequest) -> web.StreamResponse:
+    rid = _new_id(parsed)
+    tenant = request.get(TENANT, "")
+    with _admitted(request.app, tenant):
+        if not parsed.stream:
+            body = await _json_completion(request.app, request.path, parsed, rid, tenant)
+            return web.Response(body=body, content_type="application/json",
+                                headers={"x-request-id": rid})
+        return await _stream(request, parsed, rid, tenant)
+
+
+async def _stream(request: web.Request, parsed: ParsedRequest, rid: str, tenant: str
+                  ) -> web.StreamResponse:
+    """A completion streamed as server-sent events."""
     mesh = request.app[MESH]
     cfg = request.app[CONFIG]
     started = time.monotonic()
-    route = request.path
     prompts = await token_prompts(mesh, rid, parsed)
-    headers = {"x-request-id": rid}
-    if not parsed.stream:
-        body, usage = await complete(mesh, cfg, parsed, rid, prompts, tenant)
-        request.app[METRICS].observe(route, usage, time.monotonic() - started, None, tenant)
-        # msgspec writes the body several times faster than json.dumps.
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                            headers=headers)
     check_context(prompts, parsed.sampling.max_tokens, cfg.context_lengths[parsed.model])
     meta = ResponseMeta(id=rid, created=int(time.time()), model=parsed.model, kind=parsed.kind)
     sink: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -180,14 +217,59 @@ async def _generate_admitted(request: web.Request, parsed: ParsedRequest, rid: s
              for c in fan_out(rid, prompts, parsed.n)]
     try:
         resp, outcome = await stream_choices(request, meta, parsed, _merge(tasks, sink),
-                                             len(prompts), headers, started)
+                                             len(prompts), {"x-request-id": rid}, started)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    request.app[METRICS].observe(route, outcome.usage, time.monotonic() - started,
+    request.app[METRICS].observe(request.path, outcome.usage, time.monotonic() - started,
                                  outcome.ttft_s, tenant)
     return resp
+
+
+class FastCompletions:
+    """The completion routes as the lean front (``front.py``) serves them: a request that
+    is not streamed gets the very answer the aiohttp route and its middlewares give
+    (auth, limits, errors as OpenAI JSON, ``x-request-id``, metrics)."""
+
+    routes = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    @staticmethod
+    def takes(path: str, body: bytes) -> bool:
+        """Not visibly a streamed request (``"stream": true``: those go to aiohttp); one
+        that says so less plainly is declined once parsed."""
+        return _STREAM_TRUE.search(body) is None
+
+    async def __call__(self, path: str, headers: dict[str, str], body: bytes) -> Answer:
+        app = self._app
+        status, out = CLIENT_CLOSED, {}
+        try:
+            tenant = await app[KEYS].tenant(headers.get("authorization"))
+            parsed = _parse(app[CONFIG], path, body)
+            if parsed.stream:
+                raise Declined
+            rid = _new_id(parsed)
+            with _admitted(app, tenant):
+                payload = await _json_completion(app, path, parsed, rid, tenant)
+            status, out = 200, {"x-request-id": rid}
+        except ApiError as err:
+            status, out, payload = err.status, dict(err.headers), msgspec.json.encode(err.body())
+        except Declined:
+            status = 0  # not answered here: aiohttp answers (and counts) it
+            raise
+        except Exception:
+            log.exception("unhandled error on %s", path)
+            status, payload = 500, msgspec.json.encode(
+                ApiError(500, "internal error", type="internal_error").body())
+        finally:  # cancelled (the client went away): counted as CLIENT_CLOSED
+            if status:
+                app[METRICS].count_status(path, status)
+        out["x-request-id"] = _request_id(headers.get("x-request-id", ""),
+                                          out.get("x-request-id"))
+        return status, out, payload
 
 
 async def _merge(tasks: list[asyncio.Task], sink: asyncio.Queue[tuple[int, Any]]
@@ -215,12 +297,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """Text and chat completions (the route says which)."""
     cfg = request.app[CONFIG]
     body = await read_body(request, cfg.max_body_bytes)
-    if request.path.endswith("/chat/completions"):
-        parsed = parse_chat(body, cfg.context_lengths, cfg.max_tokens_limit)
-    else:
-        parsed = parse_completion(body, cfg.context_lengths, cfg.vocab_size,
-                                  cfg.max_tokens_limit)
-    return await _generate(request, parsed)
+    return await _generate(request, _parse(cfg, request.path, body))
 
 
 @ROUTES.post("/v1/score")

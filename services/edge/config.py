@@ -19,6 +19,9 @@ class EdgeConfig(CommonConfig):
                               "set it too (SO_REUSEPORT, Linux): the kernel spreads new "
                               "connections over them, one address for all; give each its "
                               "own --metrics-port to scrape it")
+    fast_front: bool = option(True, "answer non-streamed completions through the lean "
+                              "HTTP/1.1 front (services/edge/front.py), every other request "
+                              "through aiohttp; false: every request through aiohttp")
     models: str = option(DEFAULT_MODEL, "comma-separated model names served (the workers' "
                          "--model; shared/models.py)")
     vocab_size: int = option(49152, "token ids in prompts must be below this")

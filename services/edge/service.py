@@ -10,12 +10,13 @@ from contextlib import AsyncExitStack
 from aiohttp import web
 from nats.aio.subscription import Subscription
 
-from prefixmesh.services.edge.app import build_app
+from prefixmesh.services.edge.app import FastCompletions, build_app
 from prefixmesh.services.edge.auth import KeyResolver
 from prefixmesh.services.edge.batch_api import add_batch_routes
 from prefixmesh.services.edge.batch_runner import BatchRunner
 from prefixmesh.services.edge.batch_store import BatchStore
 from prefixmesh.services.edge.config import EdgeConfig
+from prefixmesh.services.edge.front import Front
 from prefixmesh.services.edge.pipeline import MeshClient, MeshTimeouts
 from prefixmesh.services.edge.shortcuts import LocalTokenizer, Shortcuts
 from prefixmesh.services.edge.tenants import ApiKeys
@@ -46,6 +47,7 @@ class EdgeService:
         self.port = cfg.port
         self.mesh: MeshClient | None = None
         self._site: web.TCPSite | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._inbox: Subscription | None = None
         self.batches: BatchRunner | None = None
         self.workers: WorkerDirectory | None = None
@@ -81,20 +83,34 @@ class EdgeService:
         app = build_app(self.cfg, mesh, await self._key_resolver(stack))
         if self.cfg.batch:
             await self._start_batches(bus, mesh, workers, stack, app)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        self._site = web.TCPSite(runner, self.cfg.host, self.cfg.port,
-                                 reuse_port=self.cfg.reuse_port or None)
-        await self._site.start()
+        await self._listen(app, stack)
         # Its own /metrics and /health where edges share one port (each scraped apart).
         await serve_metrics(stack, self.cfg.metrics_port, self.cfg.host)
-        if runner.addresses:
-            self.port = runner.addresses[0][1]
         log.info("edge %s listening on %s", self.edge_id, self.url)
         print(f"prefixmesh edge listening on {self.url}", flush=True)
         if self.batches is not None:
             await self.batches.resume_all()
+
+    async def _listen(self, app: web.Application, stack: AsyncExitStack) -> None:
+        """Serve ``app`` on the HTTP port: behind the lean front (``front.py``), or
+        aiohttp alone (``fast_front`` off)."""
+        cfg = self.cfg
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        if not cfg.fast_front:
+            self._site = web.TCPSite(runner, cfg.host, cfg.port,
+                                     reuse_port=cfg.reuse_port or None)
+            await self._site.start()
+            self.port = runner.addresses[0][1]
+            return
+        fast = FastCompletions(app)
+        assert runner.server is not None  # set up above
+        front = Front(runner.server, fast.routes, fast, fast.takes, cfg.max_body_bytes)
+        stack.callback(front.close)
+        self._server = await asyncio.get_running_loop().create_server(
+            front, cfg.host, cfg.port, reuse_port=cfg.reuse_port or None)
+        self.port = self._server.sockets[0].getsockname()[1]
 
     async def _local_tokenizer(self) -> LocalTokenizer | None:
         """The tokenizer for short prompts (None: off, or it cannot be loaded here, and
@@ -142,10 +158,13 @@ class EdgeService:
     async def stop_intake(self) -> None:
         if self.batches is not None:
             self.batches.stop_intake()  # no new batch lines; in-flight ones finish
+        # Stop accepting connections; requests already in flight keep their streams.
         if self._site is not None:
-            # Stop accepting connections; requests already in flight keep their streams.
             await self._site.stop()
             self._site = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     async def drain(self) -> None:
         while self.mesh is not None and (

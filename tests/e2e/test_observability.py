@@ -51,7 +51,8 @@ REQUIRED: dict[str, set[str]] = {
     "edge": {
         "prefixmesh_edge_requests_total", "prefixmesh_edge_errors_total",
         "prefixmesh_edge_request_latency_seconds_bucket", "prefixmesh_edge_ttft_seconds_bucket",
-        "prefixmesh_edge_tokens_total",
+        "prefixmesh_edge_tokens_total", "prefixmesh_edge_front_requests_total",
+        "prefixmesh_edge_front_handoffs_total",
     },
     "tokenizer": {
         "prefixmesh_tokenizer_requests_total",
@@ -201,15 +202,28 @@ def test_every_named_metric_is_exported_under_load(mesh: LocalMesh) -> None:
     assert kinds <= E2_KINDS | {"affinity", "none"}, kinds
     # Every request routed is one decision, counted at once; shared prefixes are exploited.
     before = decisions(mesh)
+    front_before = _front_counts(mesh)
     assert load_round(mesh, seed=3) == REQUESTS_PER_ROUND
     after = decisions(mesh)
     assert after.total() - before.total() == REQUESTS_PER_ROUND + 1  # + the text prompt
     assert after["exploit"] > before["exploit"], (before, after)
+    # The edge's lean front answered every request not streamed (each on a connection of
+    # its own, + the text prompt); each streamed one, and each scrape, went to aiohttp.
+    answered, handoffs = (a - b for a, b in zip(_front_counts(mesh), front_before))
+    assert answered == REQUESTS_PER_ROUND // 2 + 1
+    assert handoffs >= REQUESTS_PER_ROUND // 2
     edge = by_service["edge"]
     tenants = {s.labels["tenant"] for s in edge["prefixmesh_edge_ttft_seconds_bucket"]}
     assert tenants == {"default"}
     gauges = by_service["metrics"]["prefixmesh_worker_kv_usage_ratio"]
     assert {s.labels["worker"] for s in gauges} == {f"w{i}" for i in range(WORKERS)}
+
+
+def _front_counts(mesh: LocalMesh) -> tuple[float, float]:
+    """The edge's requests answered by its lean front, and connections handed to aiohttp."""
+    page = scrape(mesh.url + "/metrics")
+    return (page["prefixmesh_edge_front_requests_total"][0].value,
+            page["prefixmesh_edge_front_handoffs_total"][0].value)
 
 
 def test_edge_counts_errors(mesh: LocalMesh) -> None:

@@ -229,6 +229,23 @@ def test_request_ids_in_body_and_header(client: OpenAI) -> None:
     assert info.value.response.headers["x-request-id"].startswith("req-")
 
 
+def test_stream_is_honoured_however_the_body_spells_it(mesh: LocalMesh) -> None:
+    """The edge's lean front answers plain completions and leaves streams to aiohttp: a
+    ``stream`` key written with an escape (the same key once decoded) still streams, and
+    ``"stream": false`` gets one JSON body."""
+    url = mesh.url + "/v1/completions"
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEYS['alpha']}"}
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True})
+    escaped = body.replace('"stream"', '"str\\u0065am"').encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=escaped, headers=headers),
+                                timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        assert r.read().rstrip().endswith(b"data: [DONE]")
+    status, body = _post(mesh, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                   "max_tokens": 2, "stream": False})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
 def test_openapi_document_describes_the_routes(mesh: LocalMesh) -> None:
     with urllib.request.urlopen(mesh.url + "/openapi.json", timeout=5) as r:
         doc = json.loads(r.read())
