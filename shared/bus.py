@@ -44,7 +44,8 @@ T = TypeVar("T")
 # A batcher's item and answer types.
 Q = TypeVar("Q")
 R = TypeVar("R")
-# Called with a request's reply (None: it timed out); what it returns is awaited.
+# Called with a request's reply (None: it timed out); what it returns is awaited (for a
+# timeout, in a task of the bus's own).
 OnReply = Callable[["Msg | None"], "Awaitable[None] | None"]
 
 # Reconnect forever, quickly: a NATS restart must heal without manual action.
@@ -70,9 +71,12 @@ class Bus:
         # Shared with the connection callbacks: set once close() starts.
         self._closing = closing if closing is not None else []
         # Requests awaiting their reply: token -> what to call with the reply (None when
-        # the request timed out; what it returns for a reply is awaited), and the timer
-        # that gives up on it.
+        # the request timed out; what it returns is awaited), and the timer that gives up
+        # on it.
         self._waiting: dict[str, tuple[OnReply, asyncio.TimerHandle]] = {}
+        # What callbacks returned for timeouts, running (held here: a task the loop alone
+        # refers to may be collected before it ends).
+        self._expiring: set[asyncio.Future[None]] = set()
         self._tokens = itertools.count()
         # "<inbox>." : replies arrive on <inbox>.<token>; subscribed at the first request.
         self._reply_prefix = ""
@@ -169,8 +173,10 @@ class Bus:
 
     def _expire(self, token: str) -> None:
         waiting = self._waiting.pop(token, None)
-        if waiting is not None:
-            waiting[0](None)
+        if waiting is not None and (pending := waiting[0](None)) is not None:
+            task = asyncio.ensure_future(pending)
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
 
     async def _on_reply(self, m: Msg) -> None:
         waiting = self._waiting.pop(m.subject[len(self._reply_prefix):], None)
@@ -179,31 +185,6 @@ class Bus:
             pending = waiting[0](m)
             if pending is not None:
                 await pending
-
-    async def relay(self, subject: str, m: Msg, timeout: float,
-                    refuse: Callable[[str], bytes]) -> None:
-        """Pass a received request ``m`` on to ``subject`` and its answer back to ``m``'s
-        requester, who so waits one hop less than for asking twice. When nobody serves
-        ``subject`` the requester gets ``refuse(why)`` at once (a plain forward would
-        leave it to time out); unanswered within ``timeout``, nothing: its own deadline
-        runs."""
-        if not m.reply:
-            await self.nc.publish(subject, m.data)
-            return
-
-        def on_answer(answer: Msg | None) -> Awaitable[None] | None:
-            if answer is None:
-                return None
-            try:
-                data = reply_data(answer, subject, timeout)
-            except BusUnavailable as exc:
-                data = refuse(str(exc))
-            return self.nc.publish(m.reply, data)
-
-        try:
-            await self.send_request(subject, m.data, timeout, on_answer)
-        except BusUnavailable as exc:  # not connected: the answer could not go either
-            log.debug("relay to %s failed: %s", subject, exc)
 
     async def _reply_inbox(self) -> str:
         async with self._reply_lock:
@@ -234,15 +215,11 @@ class Bus:
     async def serve(self, subject: str, decoder: msgspec.msgpack.Decoder[T],
                     handler: Callable[[T], Awaitable[msgspec.Struct]],
                     on_malformed: Callable[[str], msgspec.Struct],
-                    queue: str = "", answer_to: Callable[[T], str] | None = None
-                    ) -> Subscription:
+                    queue: str = "") -> Subscription:
         """Answer requests on ``subject``: decode, call ``handler``, reply with its Struct.
 
         A payload that does not decode gets ``on_malformed(reason)`` as its reply, so the
-        caller sees an error at once instead of a timeout. ``answer_to(request)``, when it
-        names a subject, is where the answer goes instead of the message's reply subject
-        (a request relayed by a third party names its first sender's inbox: the answer
-        skips the relay).
+        caller sees an error at once instead of a timeout.
         """
 
         async def on_msg(m: Msg) -> None:
@@ -252,7 +229,6 @@ class Bus:
             except msgspec.DecodeError as exc:
                 reply = on_malformed(f"malformed request: {exc}")
             else:
-                target = (answer_to(decoded) if answer_to is not None else "") or m.reply
                 try:
                     reply = await handler(decoded)
                 except Exception as exc:

@@ -177,11 +177,6 @@ class TokenizedRequest(_Msg):
     created: float = 0.0
     # Workers the edge already tried for this request (retry after a failure).
     exclude: list[str] = []
-    # Where the worker sends its SubmitReply instead of the message's own reply subject
-    # ("" = there): on ``sched.place``, the edge's inbox, so the acknowledgement goes
-    # straight back to the edge while the scheduler's relay only turns "no responders"
-    # (the worker gone from the bus) into a refusal.
-    ack_to: str = ""
     # The edge reads ``RequestDoneEvent.last``: the worker may put the last chunk inside the
     # done event (False: an edge from before it, which gets every chunk on its own).
     done_carries_last: bool = False
@@ -259,7 +254,21 @@ class SubmitReply(_Msg):
     error: ErrorInfo | None = None
 
 
-WorkerRequest = TokenizedRequest | AbortRequest | ResyncRequest | ResumeRequest
+class SubmitBatch(_Msg):
+    """Several requests to queue, in one message: an edge's placements of one turn of its
+    event loop (``sched.place``), and the scheduler's share of them for one worker
+    (``worker.<id>.submit``). Answered by ``SubmitReplies``."""
+
+    requests: list[TokenizedRequest]
+
+
+class SubmitReplies(_Msg):
+    """The answers to a ``SubmitBatch``, one ``SubmitReply`` per request, in order."""
+
+    replies: list[SubmitReply]
+
+
+WorkerRequest = TokenizedRequest | AbortRequest | ResyncRequest | ResumeRequest | SubmitBatch
 
 
 class TopLogprob(msgspec.Struct, omit_defaults=True, array_like=True):
@@ -529,9 +538,10 @@ PREDICT_REPLY = _Decoder(PredictLengthReply)
 ROUTE_REQUEST: _Decoder[SchedulerRequest] = _Decoder(SchedulerRequest)
 ROUTE_REPLY = _Decoder(RouteReply)
 ROUTE_BATCH_REPLY: _Decoder[RouteReply | RouteBatchReply] = _Decoder(RouteReply | RouteBatchReply)
-PLACE_REQUEST = _Decoder(TokenizedRequest)
+PLACE_REQUEST = _Decoder(SubmitBatch)
 WORKER_REQUEST: _Decoder[WorkerRequest] = _Decoder(WorkerRequest)
 SUBMIT_REPLY = _Decoder(SubmitReply)
+SUBMIT_REPLIES: _Decoder[SubmitReply | SubmitReplies] = _Decoder(SubmitReply | SubmitReplies)
 STREAM_EVENT: _Decoder[StreamMessage] = _Decoder(StreamMessage)
 BUS_EVENT: _Decoder[BusEvent] = _Decoder(BusEvent)
 
@@ -554,6 +564,20 @@ def route_message(requests: list[TokenizedRequest]) -> SchedulerRequest:
     """What ``sched.route`` carries for ``requests``: one goes as itself (any scheduler
     reads it), several as a ``RouteBatchRequest``."""
     return requests[0] if len(requests) == 1 else RouteBatchRequest(requests=requests)
+
+
+def submit_replies(data: bytes, requests: list[TokenizedRequest]) -> list[SubmitReply]:
+    """The ``SubmitReply`` of each of ``requests`` in the answer to their ``SubmitBatch``.
+    ValueError for an answer that is not one reply per request: a count that does not
+    match, or one ``SubmitReply`` for the whole message (a receiver that could not read
+    it)."""
+    reply = SUBMIT_REPLIES.decode(data)
+    if isinstance(reply, SubmitReply):
+        why = reply.error.message if reply.error else "one reply"
+        raise ValueError(f"the batch of {len(requests)} answered as a whole: {why}")
+    if len(reply.replies) != len(requests):
+        raise ValueError(f"{len(reply.replies)} answers to {len(requests)} requests")
+    return reply.replies
 
 
 def route_replies(data: bytes) -> list[RouteReply]:

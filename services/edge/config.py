@@ -38,13 +38,14 @@ class EdgeConfig(CommonConfig):
     route_timeout_s: float = option(2.0, "seconds to wait for the scheduler")
     route_retry_s: float = option(8.0, "seconds to keep retrying while no scheduler answers")
     route_batch: int = option(BatchLimits().max_batch,
-                              "routing requests sent to the scheduler in one message at most: "
-                              "those made in the same turn of the event loop go together "
-                              "(1 = one message each, no batching)")
+                              "routing requests (and placements: place_max_tokens) sent to "
+                              "the scheduler in one message at most: those made in the same "
+                              "turn of the event loop go together (1 = one message each, no "
+                              "batching)")
     route_inflight: int = option(BatchLimits().max_inflight,
-                                 "routing messages awaiting the scheduler's answer at once "
-                                 "(with route_batch > 1); requests made meanwhile wait and go "
-                                 "together in the next")
+                                 "routing messages (and placement messages) awaiting the "
+                                 "scheduler's answer at once; requests made meanwhile wait "
+                                 "and go together in the next")
     place_max_tokens: int = option(256, "prompts of at most this many tokens go to the "
                                    "scheduler whole, which hands them to the chosen worker "
                                    "itself (one hop less); longer ones are routed by their "

@@ -6,9 +6,10 @@ inbox subject (``stream.<edge_id>.*``) and are dispatched to per-request queues.
 Fewer hops where they cost: a short text prompt is tokenized in the edge itself
 (``LocalTokenizer``, the tokenizer service's own ``shared/text/requests.handle``), a long
 one by the tokenizer service; token-id prompts skip tokenization; a short prompt reaches
-its worker through the scheduler in one hop (``sched.place``); the routing requests of
-longer ones asked in one turn of the event loop go to the scheduler together
-(``RequestBatcher``).
+its worker through the scheduler in one hop (``sched.place``); the placements of short
+prompts, and the routing requests of longer ones, asked in one turn of the event loop go
+to the scheduler together (``RequestBatcher``), and it passes each worker its share of a
+placement in one message.
 
 Worker failover (docs/design.md section 12): while a request waits on its worker, the edge
 watches that worker's load reports (``WorkerDirectory``). A worker silent for
@@ -39,6 +40,7 @@ from prefixmesh.shared.text.requests import handle, prompt_chars
 from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     ROUTE_REPLY,
+    SUBMIT_REPLIES,
     SUBMIT_REPLY,
     TOKENIZER_REPLY,
     AbortRequest,
@@ -50,11 +52,11 @@ from prefixmesh.shared.wire import (
     ResumeRequest,
     RouteReply,
     SamplingParams,
+    SubmitBatch,
     SubmitReply,
     TokenizedRequest,
     TokenizeReply,
     TokenizeRequest,
-    encode,
     route_message,
     route_replies,
     routing_copy,
@@ -121,12 +123,27 @@ def unavailable(what: str, exc: Exception) -> ApiError:
                     code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _submit_batch(requests: list[TokenizedRequest]) -> SubmitBatch:
+    return SubmitBatch(requests=requests)
+
+
+def _place_replies(data: bytes) -> list[SubmitReply]:
+    """The replies in the scheduler's answer to a placement (``SubmitReplies``); a lone
+    ``SubmitReply`` (a malformed placement) is not an answer: BusUnavailable."""
+    reply = SUBMIT_REPLIES.decode(data)
+    if isinstance(reply, SubmitReply):
+        why = reply.error.message if reply.error else "no replies"
+        raise BusUnavailable(f"placement refused whole: {why}")
+    return reply.replies
+
+
 class MeshClient:
     """The edge's client for the tokenizer, predictor, scheduler and workers.
 
-    As an async context manager it batches its routing requests (``RequestBatcher``,
-    ``Shortcuts.route_batch``; ``max_batch`` 1 = no batching); outside one it sends each
-    in its own message."""
+    As an async context manager it batches its routing requests and its placements
+    (``RequestBatcher``, ``Shortcuts.route_batch``; ``max_batch`` 1 = no batching);
+    outside one it sends each routing request in its own message and places nothing
+    through the scheduler (route, then submit)."""
 
     def __init__(self, bus: Bus, edge_id: str, timeouts: MeshTimeouts, predict: bool,
                  workers: WorkerDirectory | None = None,
@@ -147,6 +164,7 @@ class MeshClient:
         self.failovers = 0  # placements abandoned because their worker fell silent
         self.resumes = 0  # streams a worker was asked to resend (events possibly lost)
         self._router: RequestBatcher[TokenizedRequest, RouteReply] | None = None
+        self._placer: RequestBatcher[TokenizedRequest, SubmitReply] | None = None
         # Monotonic time until which ``sched.place`` is not tried (PLACE_BACKOFF_S).
         self._place_off_until = 0.0
         self.placed = 0  # requests the scheduler handed to their worker itself
@@ -154,17 +172,26 @@ class MeshClient:
         self._stream_batch = bus.subjects.stream_batch(edge_id)
 
     async def __aenter__(self) -> MeshClient:
-        if self.shortcuts.route_batch.max_batch == 1:
-            return self
-        router = self.bus.batcher(self.bus.subjects.route, route_message, route_replies,
-                                  self.timeouts.route_s, self.shortcuts.route_batch)
-        self._router = await router.__aenter__()
+        limits = self.shortcuts.route_batch
+        if limits.max_batch > 1:
+            router = self.bus.batcher(self.bus.subjects.route, route_message, route_replies,
+                                      self.timeouts.route_s, limits)
+            self._router = await router.__aenter__()
+        placer = self.bus.batcher(self.bus.subjects.place, _submit_batch, _place_replies,
+                                  self._place_timeout_s, limits)
+        self._placer = await placer.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        router, self._router = self._router, None
-        if router is not None:
-            await router.__aexit__(*exc)
+        batchers, self._router, self._placer = (self._router, self._placer), None, None
+        for batcher in batchers:
+            if batcher is not None:
+                await batcher.__aexit__(*exc)
+
+    @property
+    def _place_timeout_s(self) -> float:
+        """How long a placement waits for the scheduler and then its worker."""
+        return self.timeouts.route_s + self.timeouts.submit_s
 
     async def tokenize(self, request_id: str, text: str | None = None,
                        messages: list[ChatMessage] | None = None,
@@ -278,7 +305,8 @@ class MeshClient:
             if placed:
                 worker_id, failure = placed, await self._submit(placed, req)
                 placed = ""
-            elif (len(req.token_ids) <= self.shortcuts.place_max_tokens
+            elif (self._placer is not None
+                  and len(req.token_ids) <= self.shortcuts.place_max_tokens
                   and time.monotonic() >= self._place_off_until):
                 worker_id, failure = await self._route_and_submit(req)
             else:
@@ -292,22 +320,13 @@ class MeshClient:
 
     async def _route_and_submit(self, req: TokenizedRequest) -> tuple[str, str | None]:
         """One hop: the scheduler routes the whole request and hands it to the chosen
-        worker (``sched.place``), whose SubmitReply answers here. Returns the worker and,
-        if it did not take the request, why. Unanswered (no scheduler serves the subject,
-        or the worker it chose is gone), the request takes the two steps, which tell
-        those apart, and so do the next ones for ``PLACE_BACKOFF_S``."""
-        def placing(inbox: str) -> bytes:
-            # The worker acknowledges to our inbox itself; the scheduler's relay only
-            # answers for a worker gone from the bus.
-            req.ack_to = inbox
-            try:
-                return encode(req)
-            finally:
-                req.ack_to = ""
-
+        worker (``sched.place``), whose SubmitReply it passes back. Returns the worker
+        and, if it did not take the request, why. Unanswered (no scheduler serves the
+        subject, or none answered in time), the request takes the two steps, and so do
+        the next ones for ``PLACE_BACKOFF_S``."""
+        assert self._placer is not None  # _place places only inside ``async with``
         try:
-            ack = await self.bus.request(self.bus.subjects.place, placing, SUBMIT_REPLY,
-                                         self.timeouts.route_s + self.timeouts.submit_s)
+            ack = await self._placer.request(req)
         except BusUnavailable as exc:
             log.info("placing through the scheduler failed (%s); routing, then submitting",
                      exc)

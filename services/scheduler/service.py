@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ from prefixmesh.services.scheduler.replicas import (
 )
 from prefixmesh.services.scheduler.stats import HotPrefixWalk, build_stats
 from prefixmesh.services.scheduler.store import StateStore
-from prefixmesh.shared.bus import Bus
+from prefixmesh.shared.bus import Bus, BusUnavailable, OnReply, reply_data
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
 from prefixmesh.shared.runtime.config import CommonConfig, option
 from prefixmesh.shared.runtime.lifecycle import TaskSet
@@ -76,18 +77,22 @@ from prefixmesh.shared.wire import (
     RouteReply,
     RoutingDecisionsEvent,
     SchedulerRequest,
+    SubmitBatch,
+    SubmitReplies,
     SubmitReply,
     TokenizedRequest,
     done_records,
     encode,
+    submit_replies,
 )
 
 log = logging.getLogger(__name__)
 
 # Seconds drain() waits for the lease loop to finish its Redis call and stop.
 LEASE_STOP_TIMEOUT_S = 5.0
-# Seconds a placed request's acknowledgement is relayed for (the edge waits longer, then
-# routes and submits itself).
+# Seconds the scheduler waits for a worker to take its share of a placement (then: a
+# retriable refusal naming the worker; the edge waits longer, then routes and submits
+# itself).
 PLACE_ACK_TIMEOUT_S = 2.0
 # Tree nodes the stats loop's hot-prefix walk looks at between two yields to routing
 # (about 1 us a node: a slice stalls routing well under a millisecond).
@@ -284,34 +289,69 @@ class SchedulerService:
             log.warning("decisions not told to the other replicas: %s", exc)
 
     async def _place(self, m: Msg) -> None:
-        """``sched.place``: decide, then pass the request's bytes on to the chosen worker,
-        whose SubmitReply goes back to the edge (the request reaches its worker one hop
-        sooner than by route, then submit): straight to the edge's inbox when the request
-        names it (``ack_to``), else relayed. A worker gone from the bus is a refusal naming
-        it (the server's "no responders" comes back here), so the edge places again
-        without it; no worker, or a malformed request, a refusal naming none."""
+        """``sched.place``: decide each request of an edge's ``SubmitBatch``, pass each
+        chosen worker its share in one ``SubmitBatch`` and, once every worker has answered,
+        answer the edge with each request's ``SubmitReply``, in order (the requests reach
+        their workers one hop sooner than by route, then submit). A worker gone from the
+        bus, or silent for ``PLACE_ACK_TIMEOUT_S``, is a retriable refusal naming it, so
+        the edge places those again without it; no worker, or a malformed request, a
+        refusal naming none."""
         try:
-            req = PLACE_REQUEST.decode(m.data)
+            requests = PLACE_REQUEST.decode(m.data).requests
         except msgspec.DecodeError as exc:
-            refusal = SubmitReply(request_id="", accepted=False,
-                                  error=ErrorInfo(f"malformed request: {exc}", "bad_request"))
-        else:
-            told = self._told()
+            if m.reply:
+                await m.respond(encode(SubmitReply(request_id="", accepted=False, error=ErrorInfo(
+                    f"malformed request: {exc}", "bad_request"))))
+            return
+        told = self._told()
+        replies: list[SubmitReply] = []
+        shares: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
             decision = self._decide(req, told)
-            self._export_decisions()
-            await self._tell_peers(told)
-            worker = decision.worker_id
-            if worker:
-                await self.bus.relay(
-                    self.bus.subjects.worker_submit(worker), m, PLACE_ACK_TIMEOUT_S,
-                    lambda why: encode(SubmitReply(
-                        request_id=req.request_id, worker_id=worker, accepted=False,
-                        error=ErrorInfo(why, "unavailable", retriable=True))))
-                return
-            refusal = SubmitReply(request_id=req.request_id, accepted=False,
-                                  error=decision.error)
-        if m.reply:
-            await m.respond(encode(refusal))
+            replies.append(SubmitReply(request_id=req.request_id, worker_id=decision.worker_id,
+                                       accepted=False, error=decision.error))
+            if decision.worker_id:
+                shares.setdefault(decision.worker_id, []).append(i)
+        self._export_decisions()
+        await self._tell_peers(told)
+        if not shares:
+            if m.reply:
+                await m.respond(encode(SubmitReplies(replies=replies)))
+            return
+        waiting = len(shares)
+
+        def answered(worker: str, share: list[int]) -> OnReply:
+            subject = self.bus.subjects.worker_submit(worker)
+
+            def on_reply(answer: Msg | None) -> Awaitable[None] | None:
+                nonlocal waiting
+                mine = [requests[i] for i in share]
+                try:
+                    got = submit_replies(reply_data(answer, subject, PLACE_ACK_TIMEOUT_S), mine)
+                except (BusUnavailable, msgspec.DecodeError, ValueError) as exc:
+                    got = [SubmitReply(request_id=r.request_id, worker_id=worker,
+                                       accepted=False, error=ErrorInfo(
+                                           str(exc), "unavailable", retriable=True))
+                           for r in mine]
+                for i, reply in zip(share, got):
+                    replies[i] = reply
+                waiting -= 1
+                if waiting or not m.reply:
+                    return None
+                return self.bus.nc.publish(m.reply, encode(SubmitReplies(replies=replies)))
+
+            return on_reply
+
+        for worker, share in shares.items():
+            # One worker for all, in order: the edge's message is that worker's as it is.
+            data = (m.data if len(share) == len(requests) else
+                    encode(SubmitBatch(requests=[requests[i] for i in share])))
+            on_reply = answered(worker, share)
+            try:
+                await self.bus.send_request(self.bus.subjects.worker_submit(worker), data,
+                                            PLACE_ACK_TIMEOUT_S, on_reply)
+            except BusUnavailable as exc:  # not connected: this answer cannot go either
+                log.debug("placing on %s failed: %s", worker, exc)
 
     def _decide(self, req: TokenizedRequest, told: list | None) -> RouteReply:
         """Route one request; its decision is appended to ``told`` (for the peers) unless

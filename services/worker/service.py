@@ -54,6 +54,8 @@ from prefixmesh.shared.wire import (
     ResumeRequest,
     ResyncRequest,
     StreamBatch,
+    SubmitBatch,
+    SubmitReplies,
     SubmitReply,
     TokenizedRequest,
     TokenLogprob,
@@ -130,12 +132,6 @@ def sample_output_len(request_id: str, mean: float, max_tokens: int) -> int:
     return max(1, min(max_tokens, round(-mean * math.log(u))))
 
 
-def _ack_to(msg: WorkerRequest) -> str:
-    """Where a submit's answer goes: the placing edge's inbox, when the scheduler passed
-    the request on (``TokenizedRequest.ack_to``), else the message's reply subject."""
-    return msg.ack_to if isinstance(msg, TokenizedRequest) else ""
-
-
 class WorkerService:
     name = "worker"
 
@@ -181,10 +177,11 @@ class WorkerService:
             return min(s.output_len_hint, s.max_tokens)
         return sample_output_len(sample_key(req), self.cfg.default_output_mean, s.max_tokens)
 
-    async def _on_request(self, msg: TokenizedRequest | AbortRequest | ResyncRequest
-                          | ResumeRequest) -> SubmitReply:
+    async def _on_request(self, msg: WorkerRequest) -> SubmitReply | SubmitReplies:
         if isinstance(msg, TokenizedRequest):
             return self._submit(msg)
+        if isinstance(msg, SubmitBatch):  # the scheduler's share of an edge's placements
+            return SubmitReplies(replies=[self._submit(r) for r in msg.requests])
         if isinstance(msg, ResumeRequest):
             return await self._resume(msg)
         if isinstance(msg, AbortRequest):
@@ -461,8 +458,7 @@ class WorkerService:
             self._subs.append(await bus.serve(
                 subject, WORKER_REQUEST, self._on_request,
                 lambda why: SubmitReply(request_id="", worker_id=self.worker_id, accepted=False,
-                                        error=ErrorInfo(why, "bad_request")),
-                answer_to=_ack_to))
+                                        error=ErrorInfo(why, "bad_request"))))
         tasks.spawn(self._load_loop(bus), f"worker-{self.worker_id}-load")
         tasks.spawn(self._flush_loop(bus), f"worker-{self.worker_id}-flush")
 

@@ -24,6 +24,8 @@ from prefixmesh.shared.wire import (
     WORKER_REQUEST,
     ErrorInfo,
     LoadReportEvent,
+    SubmitBatch,
+    SubmitReplies,
     SubmitReply,
     TokenizedRequest,
 )
@@ -41,13 +43,18 @@ class RefusingWorker:
         self.bus, self.wid, self.param = bus, wid, param
         self.submits = 0
 
-    async def on_request(self, msg: object) -> SubmitReply:
-        rid = getattr(msg, "request_id", "")
-        if not isinstance(msg, TokenizedRequest):
-            return SubmitReply(request_id=rid, worker_id=self.wid)
+    async def on_request(self, msg: object) -> SubmitReply | SubmitReplies:
+        if isinstance(msg, SubmitBatch):  # placed through the scheduler
+            return SubmitReplies(replies=[self.refuse(r) for r in msg.requests])
+        if isinstance(msg, TokenizedRequest):
+            return self.refuse(msg)
+        return SubmitReply(request_id=getattr(msg, "request_id", ""), worker_id=self.wid)
+
+    def refuse(self, req: TokenizedRequest) -> SubmitReply:
         self.submits += 1
-        return SubmitReply(request_id=rid, worker_id=self.wid, accepted=False, error=ErrorInfo(
-            f"{self.param}: not supported by this backend", "bad_request", param=self.param))
+        return SubmitReply(request_id=req.request_id, worker_id=self.wid, accepted=False,
+                           error=ErrorInfo(f"{self.param}: not supported by this backend",
+                                           "bad_request", param=self.param))
 
     async def report(self) -> None:
         while True:

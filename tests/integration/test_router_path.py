@@ -19,11 +19,14 @@ from prefixmesh.shared.blocks import block_hashes, unpack_hashes
 from prefixmesh.shared.bus import BatchLimits, Bus, BusUnavailable
 from prefixmesh.shared.models import DEFAULT_MODEL as MODEL
 from prefixmesh.shared.wire import (
+    PLACE_REQUEST,
     ROUTE_REQUEST,
+    WORKER_REQUEST,
     LoadReportEvent,
     RouteBatchRequest,
     RouteReply,
     SamplingParams,
+    SubmitBatch,
     TokenizedRequest,
     route_message,
     route_replies,
@@ -150,6 +153,33 @@ async def test_short_prompts_are_placed_in_one_hop_and_long_ones_routed(
     assert list(unpack_hashes(routed.packed_hashes)) == block_hashes(long_prompt)
 
 
+async def test_placements_made_together_share_messages_to_the_scheduler_and_workers(
+        bus: Bus, mesh, nats_server: str, prefix: str) -> None:
+    """Short prompts sent at once: the edge places them in batches (``SubmitBatch`` on
+    ``sched.place``), and the scheduler passes each worker its share of a batch in one
+    message; every request is placed once and answered."""
+    placements, shares = RouteTap(), RouteTap()
+    await bus.subscribe(bus.subjects.place, PLACE_REQUEST, placements)
+    for w in WORKERS:
+        await bus.subscribe(bus.subjects.worker_submit(w), WORKER_REQUEST, shares)
+    count = 24
+    async with running(EdgeService(_edge_cfg(nats_server, prefix, route_inflight=1))) as edge, \
+            aiohttp.ClientSession() as session:
+        answers = await asyncio.gather(*(
+            _complete(session, edge.url, [1000 + 10 * i + k for k in range(20)])
+            for i in range(count)))
+        assert all(status == 200 for status, _ in answers), answers
+        assert edge.mesh.placed == count
+    await eventually(lambda: sum(len(m.requests) for m in placements.messages) == count)
+    assert len(placements.messages) < count  # placed in batches
+    await eventually(lambda: sum(len(m.requests) for m in shares.messages) == count)
+    assert all(isinstance(m, SubmitBatch) for m in shares.messages)
+    # A batch's requests reach each of their workers together, each request once.
+    assert len(shares.messages) <= len(placements.messages) * len(WORKERS)
+    placed = [r.request_id for m in shares.messages for r in m.requests]
+    assert len(set(placed)) == count
+
+
 async def test_a_scheduler_that_does_not_place_still_gets_every_request_served(
         bus: Bus, nats_server: str, prefix: str) -> None:
     """Nothing serves ``sched.place`` (a scheduler from before it): the edge routes, then
@@ -170,11 +200,13 @@ async def test_a_scheduler_that_does_not_place_still_gets_every_request_served(
         assert edge.mesh.placed == 0
 
 
+@pytest.mark.parametrize("hung", [False, True], ids=["gone", "hung"])
 async def test_a_placed_request_whose_worker_is_gone_is_placed_again_elsewhere(
-        bus: Bus, nats_server: str, redis_server: str, prefix: str) -> None:
+        bus: Bus, nats_server: str, redis_server: str, prefix: str, hung: bool) -> None:
     """The scheduler still believes in a worker that serves nothing (its reports go on; a
-    process that hangs, or one killed a moment ago): a request placed there comes back at
-    once as a refusal naming it, and the edge places it again without it."""
+    process killed a moment ago), or one that takes requests and never answers (a process
+    that hangs): a request placed there comes back as a refusal naming it, at once or
+    after ``PLACE_ACK_TIMEOUT_S``, and the edge places it again without it."""
     sched = SchedulerService(SchedulerConfig(
         nats_url=nats_server, redis_url=redis_server, subject_prefix=prefix,
         redis_prefix=prefix, policy="round_robin", load_interval_s=FAST_LOAD_INTERVAL_S))
@@ -187,6 +219,11 @@ async def test_a_placed_request_whose_worker_is_gone_is_placed_again_elsewhere(
                 worker_id="ghost", ts=time.time(), free_blocks=1000, total_blocks=1000))
             await asyncio.sleep(FAST_LOAD_INTERVAL_S)
 
+    if hung:
+        async def ignore(msg: object) -> None:
+            return None
+
+        await bus.nc.subscribe(bus.subjects.worker_submit("ghost"), cb=ignore)
     ghost = asyncio.create_task(ghost_reports())
     try:
         async with running(worker), running(sched), \

@@ -13,6 +13,7 @@ from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.wire import (
     BUS_EVENT,
     STREAM_EVENT,
+    SUBMIT_REPLIES,
     SUBMIT_REPLY,
     AbortRequest,
     BlockStored,
@@ -24,6 +25,7 @@ from prefixmesh.shared.wire import (
     ResyncRequest,
     SamplingParams,
     StreamBatch,
+    SubmitBatch,
     TokenizedRequest,
     encode,
 )
@@ -153,20 +155,21 @@ async def test_an_edge_that_reads_it_gets_the_last_chunk_inside_the_done_event(h
     assert all(d.last is None for d in _records(events))
 
 
-async def test_a_submit_naming_ack_to_is_acknowledged_there(harness) -> None:
-    """A request the scheduler passes on names the edge's inbox (``ack_to``): the worker's
-    answer goes there, not to the message's own reply subject (the scheduler's relay)."""
+async def test_a_submit_batch_is_answered_request_by_request_in_order(harness) -> None:
+    """The scheduler's share of a placement (``SubmitBatch``): each request is queued or
+    refused on its own, the answers come back in one ``SubmitReplies``, in order."""
     bus, worker, events, streams = harness
-    acks, relayed = Recorder(), Recorder()
-    await bus.subscribe("ackbox.edge", SUBMIT_REPLY, acks)
-    await bus.subscribe("ackbox.relay", SUBMIT_REPLY, relayed)
-    req = _req(bus, "acked", list(range(500, 520)), max_tokens=1)
-    req.ack_to = "ackbox.edge"
-    await bus.nc.publish(bus.subjects.worker_submit("w0"), encode(req), reply="ackbox.relay")
-    await eventually(lambda: acks.items)
-    assert acks.items[0].accepted and acks.items[0].worker_id == "w0"
-    await eventually(lambda: streams.of(RequestDoneEvent))
-    assert not relayed.items
+    late = _req(bus, "late", list(range(600, 620)), max_tokens=1)
+    late.deadline = time.time() - 1  # refused: its deadline has passed
+    batch = SubmitBatch(requests=[_req(bus, "b1", list(range(500, 520)), max_tokens=1), late,
+                                  _req(bus, "b2", list(range(700, 720)), max_tokens=1)])
+    answer = await bus.nc.request(bus.subjects.worker_submit("w0"), encode(batch), timeout=5)
+    replies = SUBMIT_REPLIES.decode(answer.data).replies
+    assert [(r.request_id, r.accepted, r.worker_id) for r in replies] == [
+        ("b1", True, "w0"), ("late", False, "w0"), ("b2", True, "w0")]
+    assert replies[1].error.code == "timeout" and replies[1].error.retriable
+    await eventually(lambda: {e.request_id for e in streams.of(RequestDoneEvent)} >= {
+        "b1", "b2"})
 
 
 async def test_events_ready_together_are_each_published_once_and_in_order(harness) -> None:

@@ -100,3 +100,21 @@ def test_old_reader_ignores_new_fields_and_new_reader_defaults_missing_ones() ->
     assert m.ROUTE_REPLY.decode(new) == m.RouteReply(request_id="r", worker_id="w")
     old = m.encode(m.RouteReply(request_id="r", worker_id="w"))
     assert msgspec.msgpack.decode(old, type=RouteReplyV2).future_field == 5
+
+
+def test_submit_replies_reads_one_answer_per_request_of_a_batch() -> None:
+    reqs = [m.TokenizedRequest(request_id=f"r{i}", token_ids=[i], sampling=m.SamplingParams())
+            for i in range(3)]
+    answers = m.SubmitReplies(replies=[m.SubmitReply(request_id=r.request_id, worker_id="w")
+                                       for r in reqs])
+    assert m.submit_replies(m.encode(answers), reqs) == answers.replies
+    # One reply for the whole message (a receiver that could not read it) answers none.
+    refusal = m.SubmitReply(request_id="", worker_id="w", accepted=False,
+                            error=m.ErrorInfo("malformed request: x", "bad_request"))
+    with pytest.raises(ValueError, match="answered as a whole: malformed request: x"):
+        m.submit_replies(m.encode(refusal), reqs)
+    with pytest.raises(ValueError, match="2 answers to 3 requests"):
+        m.submit_replies(m.encode(m.SubmitReplies(replies=answers.replies[:2])), reqs)
+    # A worker reads a SubmitBatch on its submit subject.
+    batch = m.SubmitBatch(requests=reqs)
+    assert m.WORKER_REQUEST.decode(m.encode(batch)) == batch
