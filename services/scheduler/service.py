@@ -30,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from prefixmesh.services.scheduler.engines import EngineIds
 from prefixmesh.services.scheduler.lease import Lease, LeaseState
+from prefixmesh.services.scheduler.place_batch import PlaceBatch
 from prefixmesh.services.scheduler.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -77,13 +78,10 @@ from prefixmesh.shared.wire import (
     RouteReply,
     RoutingDecisionsEvent,
     SchedulerRequest,
-    SubmitBatch,
-    SubmitReplies,
     SubmitReply,
     TokenizedRequest,
     done_records,
     encode,
-    submit_replies,
 )
 
 log = logging.getLogger(__name__)
@@ -304,52 +302,31 @@ class SchedulerService:
                     f"malformed request: {exc}", "bad_request"))))
             return
         told = self._told()
-        replies: list[SubmitReply] = []
-        shares: dict[str, list[int]] = {}
-        for i, req in enumerate(requests):
-            decision = self._decide(req, told)
-            replies.append(SubmitReply(request_id=req.request_id, worker_id=decision.worker_id,
-                                       accepted=False, error=decision.error))
-            if decision.worker_id:
-                shares.setdefault(decision.worker_id, []).append(i)
+        placement = PlaceBatch(requests, [self._decide(req, told) for req in requests])
         self._export_decisions()
         await self._tell_peers(told)
-        if not shares:
+        if not placement.shares:
             if m.reply:
-                await m.respond(encode(SubmitReplies(replies=replies)))
+                await m.respond(placement.answer())
             return
-        waiting = len(shares)
 
-        def answered(worker: str, share: list[int]) -> OnReply:
-            subject = self.bus.subjects.worker_submit(worker)
-
+        def answered(worker: str, subject: str) -> OnReply:
             def on_reply(answer: Msg | None) -> Awaitable[None] | None:
-                nonlocal waiting
-                mine = [requests[i] for i in share]
                 try:
-                    got = submit_replies(reply_data(answer, subject, PLACE_ACK_TIMEOUT_S), mine)
-                except (BusUnavailable, msgspec.DecodeError, ValueError) as exc:
-                    got = [SubmitReply(request_id=r.request_id, worker_id=worker,
-                                       accepted=False, error=ErrorInfo(
-                                           str(exc), "unavailable", retriable=True))
-                           for r in mine]
-                for i, reply in zip(share, got):
-                    replies[i] = reply
-                waiting -= 1
-                if waiting or not m.reply:
-                    return None
-                return self.bus.nc.publish(m.reply, encode(SubmitReplies(replies=replies)))
+                    data, why = reply_data(answer, subject, PLACE_ACK_TIMEOUT_S), ""
+                except BusUnavailable as exc:  # gone from the bus, or silent
+                    data, why = None, str(exc)
+                if placement.take(worker, data, why) and m.reply:  # the last to answer
+                    return self.bus.nc.publish(m.reply, placement.answer())
+                return None
 
             return on_reply
 
-        for worker, share in shares.items():
-            # One worker for all, in order: the edge's message is that worker's as it is.
-            data = (m.data if len(share) == len(requests) else
-                    encode(SubmitBatch(requests=[requests[i] for i in share])))
-            on_reply = answered(worker, share)
+        for worker in placement.shares:
+            subject = self.bus.subjects.worker_submit(worker)
             try:
-                await self.bus.send_request(self.bus.subjects.worker_submit(worker), data,
-                                            PLACE_ACK_TIMEOUT_S, on_reply)
+                await self.bus.send_request(subject, placement.message(worker, m.data),
+                                            PLACE_ACK_TIMEOUT_S, answered(worker, subject))
             except BusUnavailable as exc:  # not connected: this answer cannot go either
                 log.debug("placing on %s failed: %s", worker, exc)
 
