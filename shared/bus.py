@@ -349,8 +349,9 @@ class RequestBatcher(Generic[Q, R]):
     message at most). No request waits for another: an idle caller's requests go one a
     message, a busy one's as many per message as its loop turns make. ``pack`` makes one
     message of a list of requests (a single request may go as itself), ``unpack`` the
-    list of answers, in order, of a reply's bytes. One owned task sends; use the batcher
-    as an async context manager.
+    list of answers, in order, of a reply's bytes (what it raises makes the reply no
+    answer: each request of the batch gets ``BusUnavailable``). One owned task sends; use
+    the batcher as an async context manager.
     """
 
     def __init__(self, bus: Bus, subject: str, pack: Callable[[list[Q]], msgspec.Struct],
@@ -393,11 +394,15 @@ class RequestBatcher(Generic[Q, R]):
             self._inflight -= 1
             self._wake.set()
             try:
-                answers = self._unpack(reply_data(m, self.subject, self.timeout))
+                data = reply_data(m, self.subject, self.timeout)
+                try:
+                    answers = self._unpack(data)
+                except Exception as exc:  # a malformed answer is no answer
+                    raise BusUnavailable(f"malformed answer on {self.subject}: {exc}") from exc
                 if len(answers) != len(batch):
                     raise BusUnavailable(f"{len(answers)} answers to {len(batch)} requests "
                                          f"on {self.subject}")
-            except Exception as exc:  # timeout, no responders, a malformed reply
+            except BusUnavailable as exc:  # timeout, no responders, a malformed answer
                 for e in batch:
                     if not e.answer.done():
                         e.answer.set_exception(exc)

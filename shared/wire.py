@@ -566,17 +566,14 @@ def route_message(requests: list[TokenizedRequest]) -> SchedulerRequest:
     return requests[0] if len(requests) == 1 else RouteBatchRequest(requests=requests)
 
 
-def submit_replies(data: bytes, requests: list[TokenizedRequest]) -> list[SubmitReply]:
-    """The ``SubmitReply`` of each of ``requests`` in the answer to their ``SubmitBatch``.
-    ValueError for an answer that is not one reply per request: a count that does not
-    match, or one ``SubmitReply`` for the whole message (a receiver that could not read
-    it)."""
+def submit_replies(data: bytes) -> list[SubmitReply]:
+    """The replies in the answer to a ``SubmitBatch``, in order (the caller checks their
+    count). ValueError for one ``SubmitReply`` answering the whole message (a receiver
+    that could not read it: a malformed batch) or bytes that do not decode."""
     reply = SUBMIT_REPLIES.decode(data)
     if isinstance(reply, SubmitReply):
         why = reply.error.message if reply.error else "one reply"
-        raise ValueError(f"the batch of {len(requests)} answered as a whole: {why}")
-    if len(reply.replies) != len(requests):
-        raise ValueError(f"{len(reply.replies)} answers to {len(requests)} requests")
+        raise ValueError(f"the batch answered as a whole: {why}")
     return reply.replies
 
 

@@ -91,7 +91,7 @@ def parse_head(head: bytes) -> tuple[str, str, dict[str, str]] | None:
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip() or line[0] in " \t":
+        if not colon or not name or name != name.strip():  # folded: leading white space
             return None
         name = name.lower()
         if name in headers:

@@ -40,7 +40,6 @@ from prefixmesh.shared.text.requests import handle, prompt_chars
 from prefixmesh.shared.wire import (
     PREDICT_REPLY,
     ROUTE_REPLY,
-    SUBMIT_REPLIES,
     SUBMIT_REPLY,
     TOKENIZER_REPLY,
     AbortRequest,
@@ -60,6 +59,7 @@ from prefixmesh.shared.wire import (
     route_message,
     route_replies,
     routing_copy,
+    submit_replies,
 )
 
 log = logging.getLogger(__name__)
@@ -127,16 +127,6 @@ def _submit_batch(requests: list[TokenizedRequest]) -> SubmitBatch:
     return SubmitBatch(requests=requests)
 
 
-def _place_replies(data: bytes) -> list[SubmitReply]:
-    """The replies in the scheduler's answer to a placement (``SubmitReplies``); a lone
-    ``SubmitReply`` (a malformed placement) is not an answer: BusUnavailable."""
-    reply = SUBMIT_REPLIES.decode(data)
-    if isinstance(reply, SubmitReply):
-        why = reply.error.message if reply.error else "no replies"
-        raise BusUnavailable(f"placement refused whole: {why}")
-    return reply.replies
-
-
 class MeshClient:
     """The edge's client for the tokenizer, predictor, scheduler and workers.
 
@@ -177,7 +167,7 @@ class MeshClient:
             router = self.bus.batcher(self.bus.subjects.route, route_message, route_replies,
                                       self.timeouts.route_s, limits)
             self._router = await router.__aenter__()
-        placer = self.bus.batcher(self.bus.subjects.place, _submit_batch, _place_replies,
+        placer = self.bus.batcher(self.bus.subjects.place, _submit_batch, submit_replies,
                                   self._place_timeout_s, limits)
         self._placer = await placer.__aenter__()
         return self

@@ -54,7 +54,9 @@ class PlaceBatch:
         try:
             if data is None:
                 raise ValueError(why)
-            got = submit_replies(data, mine)
+            got = submit_replies(data)
+            if len(got) != len(mine):
+                raise ValueError(f"{len(got)} answers to {len(mine)} requests")
         except ValueError as exc:  # msgspec's DecodeError is a ValueError too
             got = [SubmitReply(request_id=r.request_id, worker_id=worker, accepted=False,
                                error=ErrorInfo(str(exc), "unavailable", retriable=True))

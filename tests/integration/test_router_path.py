@@ -105,6 +105,20 @@ async def test_a_batch_nobody_answers_fails_each_of_its_requests(bus: Bus) -> No
     assert all(isinstance(r, BusUnavailable) for r in results)
 
 
+async def test_a_malformed_answer_fails_each_request_of_its_batch_as_unanswered(
+        bus: Bus) -> None:
+    async def junk(msg) -> None:
+        await msg.respond(b"not msgpack")
+
+    await bus.nc.subscribe(bus.subjects.route, cb=junk)
+    async with bus.batcher(bus.subjects.route, route_message, route_replies, 5,
+                           BatchLimits()) as router:
+        results = await asyncio.gather(*(router.request(_req(f"m{i}", i)) for i in range(3)),
+                                       return_exceptions=True)
+    assert all(isinstance(r, BusUnavailable) and "malformed answer" in str(r)
+               for r in results), results
+
+
 async def test_a_cancelled_request_leaves_the_others_of_its_batch_answered(
         bus: Bus, mesh) -> None:
     async with bus.batcher(bus.subjects.route, route_message, route_replies, 5,

@@ -13,7 +13,6 @@ from prefixmesh.shared.bus import Bus
 from prefixmesh.shared.wire import (
     BUS_EVENT,
     STREAM_EVENT,
-    SUBMIT_REPLIES,
     SUBMIT_REPLY,
     AbortRequest,
     BlockStored,
@@ -28,6 +27,7 @@ from prefixmesh.shared.wire import (
     SubmitBatch,
     TokenizedRequest,
     encode,
+    submit_replies,
 )
 from tests.helpers import eventually, running
 
@@ -164,7 +164,7 @@ async def test_a_submit_batch_is_answered_request_by_request_in_order(harness) -
     batch = SubmitBatch(requests=[_req(bus, "b1", list(range(500, 520)), max_tokens=1), late,
                                   _req(bus, "b2", list(range(700, 720)), max_tokens=1)])
     answer = await bus.nc.request(bus.subjects.worker_submit("w0"), encode(batch), timeout=5)
-    replies = SUBMIT_REPLIES.decode(answer.data).replies
+    replies = submit_replies(answer.data)
     assert [(r.request_id, r.accepted, r.worker_id) for r in replies] == [
         ("b1", True, "w0"), ("late", False, "w0"), ("b2", True, "w0")]
     assert replies[1].error.code == "timeout" and replies[1].error.retriable

@@ -107,14 +107,12 @@ def test_submit_replies_reads_one_answer_per_request_of_a_batch() -> None:
             for i in range(3)]
     answers = m.SubmitReplies(replies=[m.SubmitReply(request_id=r.request_id, worker_id="w")
                                        for r in reqs])
-    assert m.submit_replies(m.encode(answers), reqs) == answers.replies
+    assert m.submit_replies(m.encode(answers)) == answers.replies
     # One reply for the whole message (a receiver that could not read it) answers none.
     refusal = m.SubmitReply(request_id="", worker_id="w", accepted=False,
                             error=m.ErrorInfo("malformed request: x", "bad_request"))
     with pytest.raises(ValueError, match="answered as a whole: malformed request: x"):
-        m.submit_replies(m.encode(refusal), reqs)
-    with pytest.raises(ValueError, match="2 answers to 3 requests"):
-        m.submit_replies(m.encode(m.SubmitReplies(replies=answers.replies[:2])), reqs)
+        m.submit_replies(m.encode(refusal))
     # A worker reads a SubmitBatch on its submit subject.
     batch = m.SubmitBatch(requests=reqs)
     assert m.WORKER_REQUEST.decode(m.encode(batch)) == batch
