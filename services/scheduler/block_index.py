@@ -16,8 +16,8 @@ So a node's hashes go into the newest of a list of dicts (a generation of at mos
 ``GEN_ENTRIES``); nothing is deleted when a node dies; a lookup
 takes the newest entry of a hash and returns its node if that is still alive. Once the
 entries exceed twice the blocks the tree holds, ``trim`` retires the oldest generation, a
-step at a time (``TRIM_STEP`` entries scanned or nodes re-put per call, so no call stalls
-routing): it collects the generation's nodes, writes the still-live ones into the newest
+step at a time (the entries its caller gives it, scanned or re-put per call, so no call
+stalls routing): it collects the generation's nodes, writes the still-live ones into the newest
 generation (their hashes, from the node itself), then drops it.
 
 Why the newest entry is right: a block hash is held by one live node at most (the hashes
@@ -35,7 +35,7 @@ from typing import Generic, Protocol, TypeVar
 # Entries of one generation: its dict's last growth copies two thirds of them at once
 # (about a millisecond, the slowest put); a lookup that misses probes every generation.
 GEN_ENTRIES = 1 << 15
-# Entries scanned, or nodes re-put, by one ``trim`` call at most.
+# Entries scanned, or hashes of live nodes re-put, by one ``trim`` call by default.
 TRIM_STEP = 8192
 
 
@@ -83,27 +83,28 @@ class BlockIndex(Generic[N]):
             self._older += len(gen)
             self.gens.append({})
 
-    def trim(self, held: int) -> None:
+    def trim(self, held: int, step: int = TRIM_STEP) -> None:
         """One step of retiring the oldest generation, if the entries exceed twice
         ``held`` (the blocks the tree holds) by more than a generation. A step scans
-        ``TRIM_STEP`` entries, or re-puts about that many hashes of live nodes.
-        ``PrefixTree`` calls this after putting about half a step, so a generation of
-        mostly dead nodes is retired faster than the puts fill a new one."""
+        ``step`` entries, or re-puts about that many hashes of live nodes.
+        ``PrefixTree`` calls this after each flush of its queued puts with a step of
+        twice the hashes it put, so a generation of mostly dead nodes is retired faster
+        than the puts fill a new one, a little at a time."""
         if self._scan is None and self._live is None:
             if len(self.gens) == 1 or len(self) <= 2 * held + GEN_ENTRIES:
                 return
             self._scan = iter(self.gens[0].values())  # gens[0] is no longer written
         if self._scan is not None:
-            chunk = list(islice(self._scan, TRIM_STEP))
+            chunk = list(islice(self._scan, step))
             self._found.update(chunk)
-            if len(chunk) == TRIM_STEP:
+            if len(chunk) == step:
                 return
             self._scan = None
             self._live = [n for n in self._found if n.alive]
             self._found = set()
         live = self._live
         assert live is not None
-        budget = TRIM_STEP
+        budget = step
         while live and budget > 0:
             node = live.pop()
             if node.alive:

@@ -66,10 +66,14 @@ DEFAULT_MAX_TOKENS = 8_388_608
 # Queued prune candidates beyond which the queue is flushed at once (bounds its memory).
 PRUNE_QUEUE_LIMIT = 65_536
 # Block hashes awaiting their index update beyond which the updates are applied at once
-# (about 0.1 us a hash: a few hundred microseconds at most): routing pays them a few
-# nodes at a time instead of the periodic ``maintain`` paying for every decision since the
-# last one in one stall of the event loop (8-43 ms at 10,000 decisions/s).
-INDEX_QUEUE_HASHES = 4096
+# (0.1-0.2 us a hash): routing pays them a few nodes at a time instead of the periodic
+# ``maintain`` paying for every decision since the last one in one stall of the event loop
+# (8-43 ms at 10,000 decisions/s). Small, so that no decision pays for many others: at
+# 4,096 every 200th ToolBench decision put 0.4-0.9 ms of them (docs/benchmarks.md).
+INDEX_QUEUE_HASHES = 256
+# Old index entries a flush lets ``BlockIndex.trim`` scan (or re-put) per hash it put: the
+# oldest generation is retired faster than the puts fill a new one.
+TRIM_PER_PUT = 2
 # The budget's LRU heap is compacted once it holds more than twice the tree's nodes and
 # this many entries more (entries of nodes pruned without the budget popping them).
 LRU_SLACK_ENTRIES = 4096
@@ -216,6 +220,9 @@ class PrefixTree:
         # last ``take_changes`` and ids of nodes pruned since.
         self._dirty: dict[Node, None] | None = None
         self._gone: list[int] = []
+        # Nodes with ids from this one on were made since the last hand-over: none has
+        # been written, so one pruned before the next goes to no one's ``gone`` list.
+        self._unsaved_from = 0
 
     def _dismantle(self) -> None:
         """Break the parent <-> children cycles of the current tree so it can be freed."""
@@ -642,12 +649,12 @@ class PrefixTree:
     def _flush_index(self) -> None:
         """Point the queued nodes' hashes to them in the index."""
         q, self._index_q = self._index_q, []
-        self._index_q_hashes = 0
+        queued, self._index_q_hashes = self._index_q_hashes, 0
         put = self._index.put
         for n in q:
             if n.alive:
                 put(n.hashes, n)
-        self._index.trim(self.n_blocks)
+        self._index.trim(self.n_blocks, TRIM_PER_PUT * queued)
 
     def flush(self) -> None:
         """Apply queued index updates, then remove unused nodes: no cacher, no request in
@@ -686,7 +693,8 @@ class PrefixTree:
         node.alive = False
         if self._dirty is not None:
             self._dirty.pop(node, None)
-            self._gone.append(node.nid)
+            if node.nid < self._unsaved_from:  # handed to a writer before: delete it
+                self._gone.append(node.nid)
         self.n_nodes -= 1
         self.n_blocks -= len(node.hashes)
 
@@ -808,6 +816,7 @@ class PrefixTree:
         """Start (or restart) recording changed and pruned nodes for ``take_changes``."""
         self._dirty = {}
         self._gone = []
+        self._unsaved_from = self._next_nid
 
     def take_changes(self) -> tuple[list[Node], list[int]]:
         """Nodes changed and ids of nodes pruned since the last call (O(1): the containers
@@ -819,6 +828,7 @@ class PrefixTree:
             self.flush()
         dirty, self._dirty = self._dirty, {}
         gone, self._gone = self._gone, []
+        self._unsaved_from = self._next_nid
         return list(dirty), gone
 
     @property

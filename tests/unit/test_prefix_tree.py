@@ -348,6 +348,42 @@ def test_index_follows_the_tree_under_churn() -> None:
     assert gone and all(tree.node_of(h) is None for h in gone)
 
 
+def test_routing_alone_keeps_the_index_within_its_bound_a_little_at_a_time() -> None:
+    """Routing's own index flushes (no ``maintain``) retire old generations as fast as
+    new entries fill them, each flush doing a small step: the index stays within twice
+    what the tree holds plus two generations, and every held block is found."""
+    tree = PrefixTree(max_nodes=1_000, max_tokens=1_000 * 24 * BLOCK_SIZE)
+    shared = chain(toks(7, 4))
+    biggest = 0
+    for i in range(6 * GEN_ENTRIES // 24):  # six generations of unique 24-block tails
+        hashes = [*shared, *range(10**12 + 24 * i, 10**12 + 24 * (i + 1))]
+        node, m = tree.match(hashes)
+        tree.record(node, m, hashes, f"w{i % 4}", float(i))
+        biggest = max(biggest, len(tree._index) - 2 * tree.n_blocks)
+    assert len(tree._index.gens) > 1  # trimming ran
+    assert biggest <= 2 * GEN_ENTRIES
+    held = {h: n for n in tree.nodes() for h in n.hashes}
+    assert all(tree.node_of(h) is n for h, n in held.items())
+
+
+def test_only_nodes_handed_to_a_writer_are_reported_gone() -> None:
+    """A pruned node's id goes to ``take_changes``'s gone list (to be deleted from the
+    store) only if an earlier hand-over may have had it written; one made and pruned
+    between two hand-overs was never written, and deleting it would be wasted work."""
+    tree = PrefixTree()
+    tree.track_changes()
+    old = tree.insert(toks(1, 2), 0.0)
+    tree.touch(old, "w0", 0.0, count=False)
+    nodes, _ = tree.take_changes()
+    assert old in nodes
+    new = tree.insert(toks(2, 2), 1.0)
+    tree.touch(new, "w0", 1.0, count=False)
+    tree.clear_worker("w0")  # both lose their only cacher: pruned at the flush
+    nodes, gone = tree.take_changes()
+    assert not old.alive and not new.alive
+    assert gone == [old.nid] and new not in nodes
+
+
 def _lru_state(tree: PrefixTree) -> list:
     """Every node (run, caching stamps, counts, last access, id) and every worker's LRU
     order and block count: what a recorded decision changes."""
