@@ -29,18 +29,19 @@ most starved one: on ``multiturn`` 242 blocks a GPU at load 0.3 against 719 at 0
 
 Configurations without cache pressure keep ``ideal``'s knee (the same probes as before).
 
-A run's length: its heaviest load holds ``--requests`` requests (the lighter loads the
-first of them, over the same time), or ``--requests-per-gpu`` N x the configuration's
-GPUs (the same work per GPU in every configuration: with a fixed count a 16-GPU run is a
-quarter as long per GPU as a 4-GPU one, little more than its cold start), or with
-``--horizon`` at least that many seconds of arrivals.
+A run's length: its heaviest load holds ``--requests-per-gpu`` N x the configuration's
+GPUs requests (the lighter loads the first of them, over the same time; by default
+``REQUESTS_PER_GPU``: the same work per GPU in every configuration), or ``--requests``
+requests in every configuration (with a fixed count a 16-GPU run is a quarter as long per
+GPU as a 4-GPU one, little more than its cold start, and its p99 a handful of that cold
+start's requests), or with ``--horizon`` at least that many seconds of arrivals.
 
 Printed per configuration and load (means over the seeds): E2's average and p99 over the
 best other policy's (< 1: E2 ahead), E2 over ``cache_aware``, and every policy's distance
 from ``ideal``. The JSON (``results/suite-NAME.json`` by default) holds every run and
-that summary. ``family`` is the whole family (864 runs: 289-603 s of CPU, one core,
-docs/sim-results.md); ``mixed`` its multi-turn and cache-pressure configurations on its
-H100 + A6000 fleet; ``quick`` a three-configuration sample.
+that summary. ``family`` is the whole family (864 runs: 429 s of CPU at the default
+length, one core, docs/sim-results.md); ``mixed`` its multi-turn and cache-pressure
+configurations on its H100 + A6000 fleet; ``quick`` a three-configuration sample.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ LOADS = (0.3, 0.6, 0.9)
 POLICIES = (*POLICY_NAMES, IDEAL)
 # The policies E2 is compared against; under cache pressure, the capacity's references.
 PEERS = tuple(p for p in POLICY_NAMES if p != "e2")
-# Requests of the heaviest load of a run (lighter loads take fewer over the same time).
-REQUESTS = 500
+# Requests of the heaviest load of a run (lighter loads take fewer over the same time), a
+# GPU of the configuration's fleet (500 on 4 GPUs, 2,000 on 16), unless ``--requests``
+# sets one count for all.
+REQUESTS_PER_GPU = 125
 # Capacity: the rate where the reference's mean latency (ideal's; under cache pressure the
 # best peer's) reaches this multiple of its light-load latency, probed with this many
 # requests.
@@ -172,7 +175,7 @@ def fleet_blocks(cfg: SuiteConfig, spec: WorkloadSpec, requests: int) -> int:
                            cfg.cache_pressure)
 
 
-def capacity(cfg: SuiteConfig, seed: int, requests: int = REQUESTS) -> float:
+def capacity(cfg: SuiteConfig, seed: int, requests: int) -> float:
     """The rate at which the reference's mean latency is ``KNEE_FACTOR`` times its latency at
     a light rate (Poisson arrivals, ``PROBE_REQUESTS`` requests): doubling, then bisecting.
     Busy GPU time cannot say it: a GPU decoding one long reply is busy all the while.
@@ -308,16 +311,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--suite", required=True, choices=tuple(SUITES))
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--requests", type=int, default=REQUESTS,
-                   help="requests of the heaviest load of each run (at least, with --horizon)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests of the heaviest load of each run, the same in every "
+                   "configuration (at least, with --horizon); default: --requests-per-gpu")
     p.add_argument("--horizon", type=float, default=HORIZON_S, metavar="S",
                    help="S > 0: each run's heaviest load spans at least S seconds of arrivals "
                    f"(up to {4 * PROBE_REQUESTS} requests; not under cache pressure, whose pool "
-                   "is sized from --requests); default 0: exactly --requests")
-    p.add_argument("--requests-per-gpu", type=int, default=0, metavar="N",
-                   help="N > 0: the heaviest load of each configuration runs N x its GPUs "
-                   "requests (the same work per GPU in every configuration) instead of "
-                   "--requests")
+                   "is sized from the run's requests); default 0: exactly the requests of "
+                   "--requests or --requests-per-gpu")
+    p.add_argument("--requests-per-gpu", type=int, default=None, metavar="N",
+                   help="the heaviest load of each configuration runs N x its GPUs requests "
+                   f"(the same work per GPU in every configuration; default {REQUESTS_PER_GPU} "
+                   "unless --requests is given)")
     p.add_argument("--only", default="", help="comma-separated configuration names to run")
     p.add_argument("--e2", default="", metavar="KNOBS",
                    help="judge this E2 variant instead of the default: PolicyConfig "
@@ -331,8 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if not seeds:
         p.error("--seeds: at least one seed")
-    if args.requests < 1 or args.requests_per_gpu < 0:
-        p.error("--requests must be at least 1 and --requests-per-gpu at least 0")
+    if args.requests is not None and args.requests_per_gpu is not None:
+        p.error("--requests and --requests-per-gpu each set the runs' length: give one")
+    if args.requests is not None and args.requests < 1:
+        p.error("--requests must be at least 1")
+    if args.requests_per_gpu is not None and args.requests_per_gpu < 1:
+        p.error("--requests-per-gpu must be at least 1")
+    per_gpu = REQUESTS_PER_GPU if args.requests is None and args.requests_per_gpu is None \
+        else args.requests_per_gpu
     if not args.horizon >= 0:  # NaN too
         p.error(f"--horizon must be 0 or more seconds, got {args.horizon:g}")
     try:
@@ -350,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary: dict[str, list[dict]] = {}
     t0 = time.perf_counter()
     for cfg in configs:
-        requests = args.requests_per_gpu * cfg.gpu_count() or args.requests
+        requests = per_gpu * cfg.gpu_count() if per_gpu else args.requests
         got = run_config(cfg, seeds, requests, args.e2, args.horizon)
         rows.extend(got)
         summary[cfg.name] = summarize_config(got)
@@ -360,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"suite": args.suite, "seeds": seeds, "loads": LOADS,
                                "e2_knobs": args.e2, "requests": args.requests,
-                               "requests_per_gpu": args.requests_per_gpu,
+                               "requests_per_gpu": per_gpu,
                                "horizon_s": args.horizon,
                                "configs": [asdict(c) for c in configs], "summary": summary,
                                "runs": rows, "wall_s": round(time.perf_counter() - t0, 1)},

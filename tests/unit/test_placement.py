@@ -358,6 +358,8 @@ def test_suite_judges_an_e2_variant_under_the_e2_label(tmp_path) -> None:
     (["--horizon", "-5"], "--horizon must be 0 or more"),
     (["--seeds", "0,x"], "--seeds: expected comma-separated integers"),
     (["--requests", "0"], "--requests must be at least 1"),
+    (["--requests-per-gpu", "0"], "--requests-per-gpu must be at least 1"),
+    (["--requests", "500", "--requests-per-gpu", "125"], "give one"),
 ])
 def test_suite_refuses_bad_arguments_before_running_anything(
         tmp_path, capsys: pytest.CaptureFixture[str], args: list[str], named: str) -> None:
@@ -498,10 +500,15 @@ def test_suite_runs_the_same_requests_per_gpu_on_every_fleet_size(
     monkeypatch.setattr(suite, "summarize_config", lambda rows: [])
     names = "doc0.1-4gpu-poisson,doc0.5-8gpu-azconv,doc0.3-16gpu-poisson,hetero-h100+a6000-doc0.3"
     out = tmp_path / "s.json"
-    assert suite.main(["--suite", "family", "--only", names, "--requests-per-gpu", "125",
+    assert suite.main(["--suite", "family", "--only", names, "--requests-per-gpu", "50",
                        "--json", str(out)]) == 0
-    assert seen == {"doc0.1-4gpu-poisson": 500, "doc0.5-8gpu-azconv": 1000,
-                    "doc0.3-16gpu-poisson": 2000, "hetero-h100+a6000-doc0.3": 500}
+    assert seen == {"doc0.1-4gpu-poisson": 200, "doc0.5-8gpu-azconv": 400,
+                    "doc0.3-16gpu-poisson": 800, "hetero-h100+a6000-doc0.3": 200}
     seen.clear()
     assert suite.main(["--suite", "family", "--only", names, "--json", str(out)]) == 0
-    assert set(seen.values()) == {suite.REQUESTS}  # without it: --requests everywhere
+    assert seen == {"doc0.1-4gpu-poisson": 500, "doc0.5-8gpu-azconv": 1000,  # the default
+                    "doc0.3-16gpu-poisson": 2000, "hetero-h100+a6000-doc0.3": 500}
+    seen.clear()
+    assert suite.main(["--suite", "family", "--only", names, "--requests", "300",
+                       "--json", str(out)]) == 0
+    assert set(seen.values()) == {300}  # one count for every fleet
