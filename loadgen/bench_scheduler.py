@@ -37,7 +37,9 @@ from prefixmesh.services.scheduler.policies.base import (
 )
 from prefixmesh.services.scheduler.replicas import apply_peer_decisions, routed
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, extend_hashes
+from prefixmesh.shared.bus import BatchLimits
 from prefixmesh.shared.costmodel import DEFAULT_PROFILE, CostModel
+from prefixmesh.shared.runtime.lifecycle import settle_gc
 from prefixmesh.shared.wire import (
     BUS_EVENT,
     BlockRemoved,
@@ -71,6 +73,8 @@ SERVICE_S_PER_OUTPUT = 0.03  # seconds per output token a simulated request take
 # The feedback the policy gets between decisions, timed apart from them.
 FEEDBACK = ("kv_events", "done", "load", "tick")
 KV_DELAY_S = 0.05  # routing -> BlockStored delay (prefill time)
+# Requests of one routing message at most, as a busy edge sends them (``--message``).
+MESSAGE_REQUESTS = BatchLimits().max_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +403,7 @@ def run_bench(
     remote: bool = False,
     cpu_clock: bool = False,
     wire: bool = False,
+    message: int = MESSAGE_REQUESTS,
 ) -> dict:
     """Warm ``policy`` with ``warmup`` requests, then time ``requests`` decisions of the stream.
 
@@ -409,18 +414,28 @@ def run_bench(
     garbage collections included, does). ``wire``: the peer gets each decision as a replica
     does, in a ``RoutingDecisionsEvent`` (of one decision) decoded from bytes and applied by
     ``apply_peer_decisions``, decoding timed with the applying (encoding, the deciding
-    replica's work, is not)."""
+    replica's work, is not).
+
+    ``message``: the timed decisions are also summed ``message`` at a time with the
+    feedback the policy took in before each of them, as ``message_*`` quantiles (ms): how
+    long one routing message of that many requests holds a scheduler's event loop, what a
+    step paid now and then by a few decisions (an index flush, a trim) does to the requests
+    of a whole message, which the per-decision quantiles hide."""
     pol, cluster, peer = setup_policy(policy, workers, config, profile, peer=remote)
     stream = iter(workload_stream)
     times: list[int] = []
     applied: list[int] = []
     clock = time.thread_time_ns if cpu_clock else time.perf_counter_ns
     cluster.clock = clock
+    loop: list[int] = []  # each timed decision plus the feedback taken in before it (ns)
+    spent = cluster.spent
     for i in range(warmup + requests):
         if i == warmup:
-            cluster.spent = dict.fromkeys(FEEDBACK, 0)
+            spent = cluster.spent = dict.fromkeys(FEEDBACK, 0)
         br = next(stream)
+        fed = sum(spent.values())
         cluster.advance(br.t)
+        fed = sum(spent.values()) - fed
         t0 = clock()
         d = pol.route(br.route, br.t)
         t1 = clock()
@@ -438,7 +453,10 @@ def run_bench(
                 applied.append(clock() - t2)
         if i >= warmup:
             times.append(t1 - t0)
+            loop.append(t1 - t0 + fed)
         cluster.routed(br, d.worker_id, d.matched_tokens)
+    messages = sorted(sum(loop[k : k + message]) / 1e6
+                      for k in range(0, len(loop) - message + 1, message))
     times.sort()
     per_s, p50, p99 = _quantiles(times)
     out = {"workload": workload, "workers": workers, "policy": policy,
@@ -448,6 +466,12 @@ def run_bench(
            # reports, ticks) over the timed part, per timed decision.
            "feedback_us_per_decision": {k: round(ns / 1e3 / max(requests, 1), 2)
                                         for k, ns in cluster.spent.items()}}
+    if messages:
+        out.update(message_requests=message,
+                   message_p50_ms=round(messages[len(messages) // 2], 3),
+                   message_p99_ms=round(messages[min(len(messages) - 1,
+                                                     int(len(messages) * 0.99))], 3),
+                   message_max_ms=round(messages[-1], 3))
     if applied:
         applied.sort()
         per_s, p50, p99 = _quantiles(applied)
@@ -492,11 +516,18 @@ def main(argv: list[str] | None = None) -> int:
     for flag, text in SWITCHES.items():
         ap.add_argument(flag, action="store_true", help=text)
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="cost-model profile")
+    ap.add_argument("--message", type=int, default=MESSAGE_REQUESTS, metavar="N",
+                    help="also report how long N consecutive decisions, with the feedback "
+                    "taken in between, hold the loop (message_* in ms: one routing "
+                    f"message of N requests; default {MESSAGE_REQUESTS}, the edge's "
+                    "--route-batch)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the result here too")
     args = ap.parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.warmup < 0:
         ap.error("--workers and --requests must be at least 1, --warmup at least 0")
+    if args.message < 1:
+        ap.error("--message must be at least 1 (requests a message)")
     if args.rate is not None and not args.rate > 0:
         ap.error(f"--rate must be positive, got {args.rate:g}")
     rate = args.rate
@@ -508,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
                                workload=args.workload, profile=args.profile)
         result["rate"] = rate
         return emit(result, args.json)
+    # The garbage collector as the scheduler service sets it once started: without, a
+    # full collection walks every object of the tree and window now and then (tens of ms).
+    settle_gc()
     result = run_bench(
         make_stream(args.workload, rate, args.seed),
         workers=args.workers,
@@ -519,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         remote=args.remote or args.remote_wire,
         cpu_clock=args.cpu_clock,
         wire=args.remote_wire,
+        message=args.message,
     )
     result["rate"] = rate
     return emit(result, args.json)

@@ -46,6 +46,19 @@ def test_feedback_is_timed_apart_from_the_decisions():
     assert all(v > 0 for v in fed.values())
 
 
+def test_messages_sum_consecutive_decisions_with_the_feedback_between_them():
+    row = run_bench(make_stream("toolbench", 160.0), workers=8, requests=320, warmup=100,
+                    message=32)
+    assert row["message_requests"] == 32
+    assert 0 < row["message_p50_ms"] <= row["message_p99_ms"] <= row["message_max_ms"]
+    # A message's time holds its decisions' own: at least 32 of the fastest (p50 is not
+    # a bound, but no message of 32 can take less than the decisions it holds).
+    assert row["message_max_ms"] * 1e3 >= 32 * row["p50_us"] / 2
+    few = run_bench(make_stream("toolbench", 160.0), workers=8, requests=20, warmup=10,
+                    message=64)
+    assert "message_p50_ms" not in few  # fewer decisions than one message
+
+
 def test_bad_counts_are_refused_before_any_work(capsys):
     import pytest
 
@@ -53,7 +66,8 @@ def test_bad_counts_are_refused_before_any_work(capsys):
 
     for argv, named in ((["--workers", "0"], "--workers and --requests must be at least 1"),
                         (["--requests", "0"], "--workers and --requests must be at least 1"),
-                        (["--rate", "0"], "--rate must be positive")):
+                        (["--rate", "0"], "--rate must be positive"),
+                        (["--message", "0"], "--message must be at least 1")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and named in capsys.readouterr().err
