@@ -9,7 +9,9 @@ in an order rotated per repeat so that other load on the machine spreads over al
 them, and each concurrency, ``--concurrency`` clients run a closed loop: each sends a
 one-token completion of a short text prompt of its own (its number first: nothing is
 shared, so cache affinity plays no part) and the next one as soon as the answer is in.
-After ``--warmup`` seconds, ``--duration`` seconds are measured.
+After ``--warmup`` seconds, ``--duration`` seconds are measured. Before the first repeat,
+one unmeasured round at the highest concurrency goes straight to the workers and one
+through each HTTP router (fresh processes run their first rounds slower).
 
 Each row: completed requests per second (``req_per_s``, the capacity at that
 concurrency), latency p50 / p99 / mean from the client's send to the last byte, the
@@ -336,6 +338,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     up[name] = start_contender(c, group, infra_urls, len(running), log_dir, env)
                     running.append(up[name])
             time.sleep(SETTLE_S)
+            # Fresh workers and routers run their first rounds slower (every contender's
+            # first repeat was its slowest, the first one measured most of all): one
+            # unmeasured round straight to the workers and one through each router that
+            # stays up, at the highest concurrency, before anything is measured. A mesh
+            # starts anew for each of its rounds and warms up in each round's --warmup.
+            top = max(concurrencies)
+            for name, urls in [(DIRECT, group.urls),
+                               *((n, [r.url]) for n, r in up.items())]:
+                print(f"warming up: {name}, {top} clients, {args.warmup + args.duration:g} s",
+                      file=sys.stderr, flush=True)
+                uvloop.run(closed_loop(urls, model, top, args.warmup + args.duration, 0.0))
             for rep in range(args.repeats):
                 k = rep % len(names)
                 for name in names[k:] + names[:k]:

@@ -16,9 +16,9 @@ So a node's hashes go into the newest of a list of dicts (a generation of at mos
 ``GEN_ENTRIES``); nothing is deleted when a node dies; a lookup
 takes the newest entry of a hash and returns its node if that is still alive. Once the
 entries exceed twice the blocks the tree holds, ``trim`` retires the oldest generation, a
-step at a time (the entries its caller gives it, scanned or re-put per call, so no call
-stalls routing): it collects the generation's nodes, writes the still-live ones into the newest
-generation (their hashes, from the node itself), then drops it.
+step at a time (as many entries scanned or re-put per call as its caller says, so no call
+stalls routing): it collects the generation's nodes, writes the still-live ones into the
+newest generation (their hashes, from the node itself), then drops it.
 
 Why the newest entry is right: a block hash is held by one live node at most (the hashes
 chain the whole prefix), and a node comes to hold a hash only by being created with it
