@@ -420,7 +420,8 @@ def run_bench(
     feedback the policy took in before each of them, as ``message_*`` quantiles (ms): how
     long one routing message of that many requests holds a scheduler's event loop, what a
     step paid now and then by a few decisions (an index flush, a trim) does to the requests
-    of a whole message, which the per-decision quantiles hide."""
+    of a whole message, which the per-decision quantiles hide (with ``remote``, the peer's
+    share of the feedback is in it too)."""
     pol, cluster, peer = setup_policy(policy, workers, config, profile, peer=remote)
     stream = iter(workload_stream)
     times: list[int] = []
