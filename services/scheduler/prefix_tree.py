@@ -68,8 +68,8 @@ PRUNE_QUEUE_LIMIT = 65_536
 # Block hashes awaiting their index update beyond which the updates are applied at once
 # (0.1-0.2 us a hash): routing pays them a few nodes at a time instead of the periodic
 # ``maintain`` paying for every decision since the last one in one stall of the event loop
-# (8-43 ms at 10,000 decisions/s). Small, so that no decision pays for many others: at
-# 4,096 every 200th ToolBench decision put 0.4-0.9 ms of them (docs/benchmarks.md).
+# (8-43 ms at 10,000 decisions/s). Small, so that no decision pays for many others (at
+# 4,096, every 200th ToolBench decision put some 4,000 hashes: docs/benchmarks.md).
 INDEX_QUEUE_HASHES = 256
 # Old index entries a flush lets ``BlockIndex.trim`` scan (or re-put) per hash it put: the
 # oldest generation is retired faster than the puts fill a new one.
