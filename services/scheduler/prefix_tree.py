@@ -66,7 +66,7 @@ DEFAULT_MAX_TOKENS = 8_388_608
 # Queued prune candidates beyond which the queue is flushed at once (bounds its memory).
 PRUNE_QUEUE_LIMIT = 65_536
 # Block hashes awaiting their index update beyond which the updates are applied at once
-# (0.1-0.2 us a hash): routing pays them a few nodes at a time instead of the periodic
+# (about 0.1 us a hash): routing pays them a few nodes at a time instead of the periodic
 # ``maintain`` paying for every decision since the last one in one stall of the event loop
 # (8-43 ms at 10,000 decisions/s). Small, so that no decision pays for many others (at
 # 4,096, every 200th ToolBench decision put some 4,000 hashes: docs/benchmarks.md).
