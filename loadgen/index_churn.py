@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from prefixmesh.services.scheduler.block_index import BlockIndex
+from prefixmesh.services.scheduler.prefix_tree import TRIM_PER_PUT
 
 
 def slowest_insert(shards: int, held: int, batch: int, rounds: int, seed: int) -> float:
@@ -54,8 +55,9 @@ class _Node:
 
 def slowest_insert_generations(held: int, batch: int, rounds: int, seed: int) -> float:
     """``slowest_insert`` for the tree's ``BlockIndex``: each insert is one node's
-    ``put`` and a ``trim`` step (timed together); the oldest node dies (untimed: marking
-    it is all the tree does)."""
+    ``put`` and a ``trim`` step of ``TRIM_PER_PUT`` entries a hash put, as the tree's
+    flushes give it (timed together); the oldest node dies (untimed: marking it is all
+    the tree does)."""
     rng = random.Random(seed)
     index: BlockIndex[_Node] = BlockIndex()
     order: collections.deque[_Node] = collections.deque()
@@ -65,7 +67,7 @@ def slowest_insert_generations(held: int, batch: int, rounds: int, seed: int) ->
         node = _Node(tuple(rng.getrandbits(63) for _ in range(batch)))
         t = time.perf_counter()
         index.put(node.hashes, node)
-        index.trim(len(order) * batch + batch)
+        index.trim(len(order) * batch + batch, TRIM_PER_PUT * batch)
         if i >= fill:
             worst = max(worst, time.perf_counter() - t)
         order.append(node)

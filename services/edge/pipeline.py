@@ -123,10 +123,6 @@ def unavailable(what: str, exc: Exception) -> ApiError:
                     code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _submit_batch(requests: list[TokenizedRequest]) -> SubmitBatch:
-    return SubmitBatch(requests=requests)
-
-
 class MeshClient:
     """The edge's client for the tokenizer, predictor, scheduler and workers.
 
@@ -167,7 +163,7 @@ class MeshClient:
             router = self.bus.batcher(self.bus.subjects.route, route_message, route_replies,
                                       self.timeouts.route_s, limits)
             self._router = await router.__aenter__()
-        placer = self.bus.batcher(self.bus.subjects.place, _submit_batch, submit_replies,
+        placer = self.bus.batcher(self.bus.subjects.place, SubmitBatch, submit_replies,
                                   self._place_timeout_s, limits)
         self._placer = await placer.__aenter__()
         return self

@@ -35,8 +35,6 @@ from typing import Generic, Protocol, TypeVar
 # Entries of one generation: its dict's last growth copies two thirds of them at once
 # (about a millisecond, the slowest put); a lookup that misses probes every generation.
 GEN_ENTRIES = 1 << 15
-# Entries scanned, or hashes of live nodes re-put, by one ``trim`` call by default.
-TRIM_STEP = 8192
 
 
 class Held(Protocol):
@@ -83,7 +81,7 @@ class BlockIndex(Generic[N]):
             self._older += len(gen)
             self.gens.append({})
 
-    def trim(self, held: int, step: int = TRIM_STEP) -> None:
+    def trim(self, held: int, step: int) -> None:
         """One step of retiring the oldest generation, if the entries exceed twice
         ``held`` (the blocks the tree holds) by more than a generation. A step scans
         ``step`` entries, or re-puts about that many hashes of live nodes.

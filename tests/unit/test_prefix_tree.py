@@ -9,7 +9,7 @@ from array import array
 import msgspec
 import pytest
 
-from prefixmesh.services.scheduler.block_index import GEN_ENTRIES, TRIM_STEP, BlockIndex
+from prefixmesh.services.scheduler.block_index import GEN_ENTRIES, BlockIndex
 from prefixmesh.services.scheduler.prefix_tree import (
     INDEX_QUEUE_HASHES,
     NodeRecord,
@@ -321,8 +321,9 @@ def test_block_index_finds_the_newest_live_holder_and_trims_old_generations() ->
     assert len(index.gens) >= 3
     for n in dead[1:]:
         n.alive = False
-    for _ in range(4 * GEN_ENTRIES // TRIM_STEP):  # one step a call
-        index.trim(held=len(a.hashes) + 8)
+    step = 8192
+    for _ in range(4 * GEN_ENTRIES // step):  # one step a call
+        index.trim(held=len(a.hashes) + 8, step=step)
     assert len(index.gens) <= 2 and len(index) <= 2 * (len(a.hashes) + 8) + GEN_ENTRIES
     assert index.get(-1) is a and index.get(10**9) is dead[0] and index.get(10**9 + 8) is None
 
