@@ -16,7 +16,9 @@ through each HTTP router (fresh processes run their first rounds slower).
 Each row: completed requests per second (``req_per_s``, the capacity at that
 concurrency), latency p50 / p99 / mean from the client's send to the last byte, the
 workers' own mean (arrival to last token, their ``/metrics``: the rest of the mean is the
-path through the router and the client, both ways) and, through the mesh, the mean from
+path through the router and the client, both ways), of which the wait for a step to start
+(``worker_queue_ms``), the steps' mean length and requests per step, each worker's share
+of the requests and, through the mesh, the mean from
 the edge sending a request to its arrival at the worker, the CPU
 milliseconds every part used per completed request (``/proc``; workers, NATS, each
 contender's processes, the client), how busy the machine's CPUs were, and the 1-minute
@@ -79,6 +81,8 @@ DIRECT = "direct"
 DEFAULT_CONTENDERS = ("prefixmesh-e2,prefixmesh-round_robin,sglang-cache_aware,"
                       "sglang-round_robin,direct")
 DEFAULT_REFERENCE = "sglang-cache_aware"
+# What a row says of the workers' steps: the wait for one, their length, requests in each.
+WORKER_STEPS = ("worker_queue_ms", "step_ms", "requests_per_step")
 # Pairs whose ratio isolates the path: the same placement policy on both sides.
 SAME_POLICY = {"prefixmesh-round_robin": "sglang-round_robin"}
 # Each client's prompt: its own number first, so no two requests share a prefix block.
@@ -163,10 +167,22 @@ def measure(name: str, urls: Sequence[str], model: str, concurrency: int,
         "worker_mean_ms": round(t["latency_sum"] / max(t["latency_count"], 1) * 1e3, 2),
         "edge_to_worker_ms": (round(t["arrival_sum"] / t["arrival_count"] * 1e3, 2)
                               if t["arrival_count"] else None),
+        # Where the time in the workers went, and where the requests went: the wait for
+        # a step, the steps' mean length and requests per step, each worker's share.
+        "worker_queue_ms": round(t["queue_sum"] / max(t["queue_count"], 1) * 1e3, 2),
+        "step_ms": round(t["step_sum"] / max(t["step_count"], 1) * 1e3, 2),
+        "requests_per_step": round(t["latency_count"] / max(t["step_count"], 1), 2),
+        "worker_shares": shares([v for k, v in t.items() if k.startswith("requests@")]),
         "cpu_ms_per_request": {k: round(v / max(served, 1) * 1e3, 3) for k, v in cpu.items()},
         "cpus_busy": round(sum(cpu.values()) / wall, 2),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def shares(counts: Sequence[float]) -> list[float]:
+    """Each worker's part of the requests (fractions, in worker order)."""
+    total = sum(counts)
+    return [round(c / total, 3) if total else 0.0 for c in counts]
 
 
 def renice(pids: Sequence[int], nice: int) -> None:
@@ -192,6 +208,8 @@ def summarize(rows: Sequence[dict], reference: str) -> list[dict]:
                "p99_ms": round(statistics.fmean(r["p99_ms"] for r in rs), 2),
                "mean_ms": round(statistics.fmean(r["mean_ms"] for r in rs), 2),
                "worker_mean_ms": round(statistics.fmean(r["worker_mean_ms"] for r in rs), 2),
+               **{k: round(statistics.fmean(r[k] for r in rs), 2)
+                  for k in WORKER_STEPS if all(k in r for r in rs)},
                "loadavg_1m": round(statistics.fmean(r["loadavg_1m"] for r in rs), 2)}
         for label, other in (("vs_reference", reference), ("vs_same_policy",
                                                            SAME_POLICY.get(name, ""))):
@@ -207,17 +225,19 @@ def summarize(rows: Sequence[dict], reference: str) -> list[dict]:
 def markdown(summary: Sequence[dict], reference: str) -> str:
     """The summary as a markdown table."""
     lines = [f"| concurrency | contender | req/s (each repeat) | p50 ms | p99 ms | mean ms | "
-             f"in workers ms | edge to worker ms | vs {reference} | vs same policy | "
-             f"load (1 min) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"in workers ms | step wait ms | per step | edge to worker ms | vs {reference} | "
+             f"vs same policy | load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         each = ", ".join(f"{x:,.0f}" for x in r["req_per_s_each"])
         ratios = [f"{r[k]:.2f}x" if k in r else "" for k in ("vs_reference", "vs_same_policy")]
         path = f"{r['edge_to_worker_ms']:.1f}" if "edge_to_worker_ms" in r else ""
+        wait, per_step = (f"{r[k]:.{d}f}" if k in r else ""
+                          for k, d in (("worker_queue_ms", 1), ("requests_per_step", 2)))
         lines.append(f"| {r['concurrency']} | {r['contender']} | {r['req_per_s']:,.0f} ({each}) "
                      f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['mean_ms']:.1f} "
-                     f"| {r['worker_mean_ms']:.1f} | {path} | {ratios[0]} | {ratios[1]} "
-                     f"| {r['loadavg_1m']:.1f} |")
+                     f"| {r['worker_mean_ms']:.1f} | {wait} | {per_step} | {path} "
+                     f"| {ratios[0]} | {ratios[1]} | {r['loadavg_1m']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

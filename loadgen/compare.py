@@ -241,14 +241,20 @@ class WorkerGroup:
                 time.sleep(0.5)
 
     def timings(self) -> dict[str, float]:
-        """Sums and counts, over every worker so far, of the seconds from a request's
-        arrival to its last token (``latency``) and from its edge to its arrival
-        (``arrival``: requests that came over the mesh only), from their /metrics."""
+        """Sums and counts, over every worker so far, from their /metrics: seconds from a
+        request's arrival to its last token (``latency``), waiting to start (``queue``),
+        from its edge to its arrival (``arrival``: requests that came over the mesh only)
+        and engine steps (``step``); and each worker's requests (``requests@I``)."""
         metrics = {"latency": "prefixmesh_worker_request_latency_seconds",
-                   "arrival": "prefixmesh_worker_arrival_delay_seconds"}
+                   "queue": "prefixmesh_worker_queue_seconds",
+                   "arrival": "prefixmesh_worker_arrival_delay_seconds",
+                   "step": "prefixmesh_worker_step_seconds"}
         texts = [scrape(url) for url in self.metrics_urls]
-        return {f"{key}{part}": sum(metric_sum(t, name + part) or 0.0 for t in texts)
-                for key, name in metrics.items() for part in ("_sum", "_count")}
+        out = {f"{key}{part}": sum(metric_sum(t, name + part) or 0.0 for t in texts)
+               for key, name in metrics.items() for part in ("_sum", "_count")}
+        for i, t in enumerate(texts):
+            out[f"requests@{i}"] = metric_sum(t, metrics["latency"] + "_count") or 0.0
+        return out
 
     def step_lag(self) -> dict[str, float]:
         """The workers' step lag since the last flush: the worst lag ratio and step lag."""

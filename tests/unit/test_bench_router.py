@@ -1,4 +1,4 @@
-"""``prefixmesh bench-router``: which runs a contender list expands to."""
+"""``prefixmesh bench-router``: which runs a contender list expands to, and its summary."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from prefixmesh.loadgen.bench_router import build_parser, markdown, renice, runs_of, summarize
+from prefixmesh.loadgen.bench_router import (
+    WORKER_STEPS,
+    build_parser,
+    markdown,
+    renice,
+    runs_of,
+    shares,
+    summarize,
+)
 from prefixmesh.loadgen.compare import Contender
 
 
@@ -31,22 +39,36 @@ def test_each_prefixmesh_contender_runs_once_per_edge_count_and_code(tmp_path: P
 
 
 def test_the_summary_splits_the_latency_into_workers_and_path() -> None:
-    def row(name: str, rps: float, worker_ms: float, path_ms: float | None) -> dict:
+    def row(name: str, rps: float, worker_ms: float, path_ms: float | None,
+            wait_ms: float) -> dict:
         return {"contender": name, "concurrency": 64, "req_per_s": rps, "p50_ms": 50.0,
                 "p99_ms": 80.0, "mean_ms": 55.0, "worker_mean_ms": worker_ms,
+                "worker_queue_ms": wait_ms, "step_ms": 25.0, "requests_per_step": rps / 160,
                 "edge_to_worker_ms": path_ms, "loadavg_1m": 2.0}
 
-    rows = [row("prefixmesh-e2", 1200, 40.0, 3.0), row("prefixmesh-e2", 1300, 44.0, 5.0),
-            row("sglang-cache_aware", 1250, 42.0, None)]
+    rows = [row("prefixmesh-e2", 1200, 40.0, 3.0, 15.0),
+            row("prefixmesh-e2", 1300, 44.0, 5.0, 17.0),
+            row("sglang-cache_aware", 1250, 42.0, None, 15.5)]
     by_name = {r["contender"]: r for r in summarize(rows, "sglang-cache_aware")}
     mesh, http = by_name["prefixmesh-e2"], by_name["sglang-cache_aware"]
     assert (mesh["req_per_s"], mesh["worker_mean_ms"], mesh["edge_to_worker_ms"]) == (
         1250, 42.0, 4.0)
+    assert (mesh["worker_queue_ms"], mesh["requests_per_step"]) == (16.0, 7.81)
     assert mesh["vs_reference"] == 1.0
     assert "edge_to_worker_ms" not in http  # an HTTP router has no edge
     table = markdown(summarize(rows, "sglang-cache_aware"), "sglang-cache_aware")
-    assert "| 64 | prefixmesh-e2 | 1,250 (1,200, 1,300) | 50.0 | 80.0 | 55.0 | 42.0 | 4.0 |" \
-        in table
+    assert ("| 64 | prefixmesh-e2 | 1,250 (1,200, 1,300) | 50.0 | 80.0 | 55.0 | 42.0 | 16.0 "
+            "| 7.81 | 4.0 |") in table
+    # Rows of an older run, without the step figures: summed without them.
+    old = [{k: v for k, v in r.items() if k not in WORKER_STEPS} for r in rows]
+    assert "worker_queue_ms" not in summarize(old, "sglang-cache_aware")[0]
+    assert "| 42.0 |  |  | 4.0 |" in markdown(summarize(old, "sglang-cache_aware"),
+                                              "sglang-cache_aware")
+
+
+def test_shares_are_each_workers_part_of_the_requests() -> None:
+    assert shares([30.0, 10.0, 10.0, 50.0]) == [0.3, 0.1, 0.1, 0.5]
+    assert shares([0.0, 0.0]) == [0.0, 0.0]  # nothing served: no division by zero
 
 
 def test_worker_nice_lowers_the_workers_priority_and_rejects_what_it_cannot_set() -> None:
