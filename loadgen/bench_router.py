@@ -194,11 +194,16 @@ def renice(pids: Sequence[int], nice: int) -> None:
 
 def summarize(rows: Sequence[dict], reference: str) -> list[dict]:
     """Per contender and concurrency: the repeats' mean req/s, p50, p99 and load, and the
-    ratio of req/s to the reference's (and, for a same-policy pair, to its peer's)."""
+    ratio of req/s to the reference's (and, for a same-policy pair, to its peer's): of the
+    means, and (``_each``, ``_median``) within each repeat, where the two ran minutes
+    apart at most: a burst of other load on the machine moves one repeat's ratio, not
+    the median."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["contender"], r["concurrency"]), []).append(r)
     means = {k: statistics.fmean(r["req_per_s"] for r in v) for k, v in groups.items()}
+    per_repeat = {(r["contender"], r["concurrency"], r["repeat"]): r["req_per_s"]
+                  for r in rows if "repeat" in r}
     out = []
     for (name, conc), rs in groups.items():
         row = {"contender": name, "concurrency": conc, "repeats": len(rs),
@@ -215,6 +220,11 @@ def summarize(rows: Sequence[dict], reference: str) -> list[dict]:
                                                            SAME_POLICY.get(name, ""))):
             if (other, conc) in means and other != name:
                 row[label] = round(means[(name, conc)] / means[(other, conc)], 3)
+                each = [r["req_per_s"] / theirs for r in rs if "repeat" in r
+                        and (theirs := per_repeat.get((other, conc, r["repeat"])))]
+                if each:
+                    row[label + "_each"] = [round(x, 3) for x in each]
+                    row[label + "_median"] = round(statistics.median(each), 3)
         paths = [r["edge_to_worker_ms"] for r in rs if r.get("edge_to_worker_ms") is not None]
         if paths:
             row["edge_to_worker_ms"] = round(statistics.fmean(paths), 2)
@@ -230,7 +240,9 @@ def markdown(summary: Sequence[dict], reference: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         each = ", ".join(f"{x:,.0f}" for x in r["req_per_s_each"])
-        ratios = [f"{r[k]:.2f}x" if k in r else "" for k in ("vs_reference", "vs_same_policy")]
+        ratios = [(f"{r[k]:.2f}x" + (f"; median {r[k + '_median']:.2f}x"
+                                     if k + "_median" in r else "")) if k in r else ""
+                  for k in ("vs_reference", "vs_same_policy")]
         path = f"{r['edge_to_worker_ms']:.1f}" if "edge_to_worker_ms" in r else ""
         wait, per_step = (f"{r[k]:.{d}f}" if k in r else ""
                           for k, d in (("worker_queue_ms", 1), ("requests_per_step", 2)))

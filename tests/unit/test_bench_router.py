@@ -59,6 +59,18 @@ def test_the_summary_splits_the_latency_into_workers_and_path() -> None:
     table = markdown(summarize(rows, "sglang-cache_aware"), "sglang-cache_aware")
     assert ("| 64 | prefixmesh-e2 | 1,250 (1,200, 1,300) | 50.0 | 80.0 | 55.0 | 42.0 | 16.0 "
             "| 7.81 | 4.0 |") in table
+    # Without repeat numbers no two rows pair up: only the ratio of the means.
+    assert "vs_reference_median" not in mesh
+    # Each repeat's ratio: a burst in one repeat (the reference's 1,250 -> 625 in the
+    # second) moves the ratio of the means, not the median of three.
+    paired = [dict(r, repeat=i) for i in range(3) for r in (
+        row("prefixmesh-e2", 1200, 40.0, 3.0, 15.0),
+        row("sglang-cache_aware", 625 if i == 1 else 1250, 42.0, None, 15.5))]
+    mesh = {r["contender"]: r for r in summarize(paired, "sglang-cache_aware")}["prefixmesh-e2"]
+    assert mesh["vs_reference_each"] == [0.96, 1.92, 0.96]
+    assert (mesh["vs_reference"], mesh["vs_reference_median"]) == (1.152, 0.96)
+    assert "| 1.15x; median 0.96x |" in markdown(summarize(paired, "sglang-cache_aware"),
+                                                 "sglang-cache_aware")
     # Rows of an older run, without the step figures: summed without them.
     old = [{k: v for k, v in r.items() if k not in WORKER_STEPS} for r in rows]
     assert "worker_queue_ms" not in summarize(old, "sglang-cache_aware")[0]
