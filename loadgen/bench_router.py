@@ -7,8 +7,9 @@ started for its turn and stopped after it (meshes on the same workers would shar
 subjects, and every scheduler would answer every edge). For each repeat, each contender,
 in an order rotated per repeat so that other load on the machine spreads over all of
 them, and each concurrency, ``--concurrency`` clients run a closed loop: each sends a
-one-token completion of a short text prompt of its own (its number first: nothing is
-shared, so cache affinity plays no part) and the next one as soon as the answer is in.
+one-token completion of a short text prompt of its own (the loop's number and its own
+first: nothing is shared, within a loop or with an earlier one, so cache affinity plays no
+part) and the next one as soon as the answer is in.
 After ``--warmup`` seconds, ``--duration`` seconds are measured. Before the first repeat,
 one unmeasured round at the highest concurrency goes straight to the workers and one
 through each HTTP router (fresh processes run their first rounds slower).
@@ -85,8 +86,19 @@ DEFAULT_REFERENCE = "sglang-cache_aware"
 WORKER_STEPS = ("worker_queue_ms", "step_ms", "requests_per_step")
 # Pairs whose ratio isolates the path: the same placement policy on both sides.
 SAME_POLICY = {"prefixmesh-round_robin": "sglang-round_robin"}
-# Each client's prompt: its own number first, so no two requests share a prefix block.
-PROMPT = "{n}: measure the router path with a short prompt that nobody shares."
+# Each request's prompt: the closed loop's number and its own first, so no two requests
+# of a run share a prefix block: not within a loop, nor across loops (every contender's
+# repeats and warm-up meet the same workers, whose KV caches and a router's own history
+# still hold the earlier loops' prompts: numbered from 0 in each loop, those came back as
+# cache hits, routed to wherever the earlier loop had sent them).
+PROMPT = "{loop}.{n}: measure the router path with a short prompt that nobody shares."
+# Closed loops run so far in this process (each numbers its prompts anew).
+_LOOPS = itertools.count()
+
+
+def prompt_text(loop: int, n: int) -> str:
+    """The prompt of request ``n`` of closed loop ``loop``."""
+    return PROMPT.format(loop=loop, n=n)
 # The workers' local queue policy: vLLM's own order, as `prefixmesh compare` uses.
 LOCAL_POLICY = "fcfs"
 SUBJECT_PREFIX = "benchrouter"
@@ -108,7 +120,7 @@ async def closed_loop(urls: Sequence[str], model: str, concurrency: int, warmup_
     """``concurrency`` clients, each sending the next one-token completion as soon as the
     last one is answered, to ``urls`` in turn; the requests sent within the measured
     window count."""
-    counter = itertools.count()
+    counter, loop = itertools.count(), next(_LOOPS)
     point = Point([], 0)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
@@ -122,7 +134,7 @@ async def closed_loop(urls: Sequence[str], model: str, concurrency: int, warmup_
                 t0 = time.perf_counter()
                 if t0 >= t_to:
                     return
-                body = {"model": model, "prompt": PROMPT.format(n=n), "max_tokens": 1,
+                body = {"model": model, "prompt": prompt_text(loop, n), "max_tokens": 1,
                         "temperature": 0.0}
                 try:
                     async with session.post(urls[n % len(urls)] + "/v1/completions",

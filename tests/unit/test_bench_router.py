@@ -12,6 +12,7 @@ import pytest
 from prefixmesh.loadgen.bench_router import (
     WORKER_STEPS,
     build_parser,
+    closed_loop,
     markdown,
     renice,
     runs_of,
@@ -98,3 +99,35 @@ def test_worker_nice_lowers_the_workers_priority_and_rejects_what_it_cannot_set(
     assert build_parser().parse_args(["--json", "x.json"]).worker_nice == 0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--json", "x.json", "--worker-nice", "20"])
+
+
+async def test_no_prompt_comes_back_in_a_later_closed_loop() -> None:
+    """Every contender's rounds meet the same workers, whose caches (and a router's own
+    history) hold the earlier rounds' prompts: a prompt sent again would be a cache hit,
+    so each loop numbers its prompts apart from every other loop's."""
+    from aiohttp import web
+
+    from prefixmesh.shared.runtime.servers import free_port
+
+    seen: list[list[str]] = []
+
+    async def complete(request: web.Request) -> web.Response:
+        seen[-1].append((await request.json())["prompt"])
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        for _ in range(2):
+            seen.append([])
+            point = await closed_loop([f"http://127.0.0.1:{port}"], "m", 4, 0.0, 0.2)
+            assert point.errors == 0 and len(point.latencies) > 0
+    finally:
+        await runner.cleanup()
+    first, second = seen
+    assert len(set(first)) == len(first) and len(set(second)) == len(second)
+    assert not set(first) & set(second)
