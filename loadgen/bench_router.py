@@ -92,6 +92,12 @@ SAME_POLICY = {"prefixmesh-round_robin": "sglang-round_robin"}
 # still hold the earlier loops' prompts: numbered from 0 in each loop, those came back as
 # cache hits, routed to wherever the earlier loop had sent them).
 PROMPT = "{loop}.{n}: measure the router path with a short prompt that nobody shares."
+# The workers' local queue policy: vLLM's own order, as `prefixmesh compare` uses.
+LOCAL_POLICY = "fcfs"
+SUBJECT_PREFIX = "benchrouter"
+REQUEST_TIMEOUT_S = 60.0
+# Seconds after start for every contender to have heard the workers' load reports.
+SETTLE_S = 2.0
 # Closed loops run so far in this process (each numbers its prompts anew).
 _LOOPS = itertools.count()
 
@@ -99,12 +105,6 @@ _LOOPS = itertools.count()
 def prompt_text(loop: int, n: int) -> str:
     """The prompt of request ``n`` of closed loop ``loop``."""
     return PROMPT.format(loop=loop, n=n)
-# The workers' local queue policy: vLLM's own order, as `prefixmesh compare` uses.
-LOCAL_POLICY = "fcfs"
-SUBJECT_PREFIX = "benchrouter"
-REQUEST_TIMEOUT_S = 60.0
-# Seconds after start for every contender to have heard the workers' load reports.
-SETTLE_S = 2.0
 
 
 @dataclass
