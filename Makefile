@@ -10,10 +10,11 @@ STAMP_TEST := $(VENV)/.installed-test
 
 .PHONY: setup setup-test demo test test-unit lint e2e-browser up compare chaos soak clean
 
-# The core install: services, load generator, demo (no torch).
+# The core install: services, load generator, demo (no torch). The editable install also
+# compiles the C extension in place (setup.py), so editing it reinstalls.
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py services/scheduler/_hashtable.c
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "prefixmesh needs Python 3.11 (set PYTHON=python3.11)"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

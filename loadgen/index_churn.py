@@ -1,7 +1,7 @@
 """Why the prefix tree's block index is not one dict (docs/benchmarks.md): the slowest
 insert into a million block hashes under steady churn, in one dict against ``--shards``
 dicts, and in the tree's own index (``block_index.BlockIndex``: generations, dead nodes
-forgotten lazily).
+forgotten lazily), with its C tables and with dicts as generations.
 
 CPython reclaims a dict's deleted slots only when it rebuilds the whole table, once the
 inserts have used up its free entries; routing adds hashes and the tree's budget drops
@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Sequence
 
-from prefixmesh.services.scheduler.block_index import BlockIndex
+from prefixmesh.services.scheduler.block_index import BlockIndex, DictTable, HashTable
 from prefixmesh.services.scheduler.prefix_tree import TRIM_PER_PUT
 
 
@@ -53,13 +53,14 @@ class _Node:
         self.hashes, self.alive = hashes, True
 
 
-def slowest_insert_generations(held: int, batch: int, rounds: int, seed: int) -> float:
+def slowest_insert_generations(held: int, batch: int, rounds: int, seed: int,
+                               table: type = HashTable) -> float:
     """``slowest_insert`` for the tree's ``BlockIndex``: each insert is one node's
     ``put`` and a ``trim`` step of ``TRIM_PER_PUT`` entries a hash put, as the tree's
     flushes give it (timed together); the oldest node dies (untimed: marking it is all
     the tree does)."""
     rng = random.Random(seed)
-    index: BlockIndex[_Node] = BlockIndex()
+    index: BlockIndex[_Node] = BlockIndex(table)
     order: collections.deque[_Node] = collections.deque()
     fill = held // batch
     worst = 0.0
@@ -105,9 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst = slowest_insert(n, args.held, args.batch, args.rounds, args.seed)
         print(f"{n} dict(s), {args.held:,} hashes under churn: slowest insert of "
               f"{args.batch} hashes {worst * 1e3:.2f} ms", flush=True)
-    worst = slowest_insert_generations(args.held, args.batch, args.rounds, args.seed)
-    print(f"generations (BlockIndex), {args.held:,} hashes under churn: slowest insert of "
-          f"{args.batch} hashes {worst * 1e3:.2f} ms", flush=True)
+    tables = {"C tables": HashTable, "dicts": DictTable}
+    if HashTable is DictTable:  # the C extension is not built here
+        tables = {"dicts": DictTable}
+    for name, table in tables.items():
+        worst = slowest_insert_generations(args.held, args.batch, args.rounds, args.seed, table)
+        print(f"generations of {name} (BlockIndex), {args.held:,} hashes under churn: "
+              f"slowest insert of {args.batch} hashes {worst * 1e3:.2f} ms", flush=True)
     return 0
 
 

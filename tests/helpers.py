@@ -76,6 +76,21 @@ def need(extra: str, *modules: str) -> None:
     pytest.skip(why, allow_module_level=True)
 
 
+def index_table(kind: str) -> type:
+    """The block index's table of ``kind``: "c" (the C extension; skipped where it was not
+    built, failed under ``--require-extras``, where the install had a compiler) or "dict"."""
+    from prefixmesh.services.scheduler import block_index
+
+    if kind == "dict":
+        return block_index.DictTable
+    if block_index.HashTable is block_index.DictTable:
+        why = "the C extension _hashtable is not built (no C compiler at install)"
+        if os.environ.get(REQUIRE_EXTRAS_ENV):
+            pytest.fail(f"--require-extras: {why}")
+        pytest.skip(why)
+    return block_index.HashTable
+
+
 @asynccontextmanager
 async def running(service: Service, drain_timeout_s: float = 5.0) -> AsyncIterator[Service]:
     """Start ``service`` as ``python -m`` would, yield it ready, then shut it down in order."""

@@ -12,7 +12,7 @@ budget's eviction drops old ones). In one plain dict that churn has two costs:
 - deleting an evicted node's hashes one by one reads memory untouched since the node was
   routed, a cache miss or more per block, on every decision.
 
-So a node's hashes go into the newest of a list of dicts (a generation of at most
+So a node's hashes go into the newest of a list of tables (a generation of at most
 ``GEN_ENTRIES``); nothing is deleted when a node dies; a lookup
 takes the newest entry of a hash and returns its node if that is still alive. Once the
 entries exceed twice the blocks the tree holds, ``trim`` retires the oldest generation, a
@@ -24,17 +24,43 @@ Why the newest entry is right: a block hash is held by one live node at most (th
 chain the whole prefix), and a node comes to hold a hash only by being created with it
 or split off with it, each followed by a ``put``; a node's hashes never grow. So the
 newest entry names the hash's holder, or a node that has died since (no holder).
+
+A generation's table is ``_hashtable.HashTable`` (C, built with the package): int64 keys
+read straight from a packed run's buffer, where a dict made an int object of each hash
+first and spent most of a put on memory (docs/benchmarks.md, "The block index in C").
+Where the extension was not built, ``DictTable`` does the same with a dict.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-# Entries of one generation: its dict's last growth copies two thirds of them at once
-# (about a millisecond, the slowest put); a lookup that misses probes every generation.
+# Entries of one generation (its table is made with room for them, so filling it never
+# stops a put to grow it); a lookup that misses probes every generation.
 GEN_ENTRIES = 1 << 15
+
+
+class DictTable(dict):
+    """``HashTable``'s interface over a dict: the table where the C extension is not
+    built (and the reference the tests hold it to)."""
+
+    __slots__ = ()
+
+    def __init__(self, entries: int = 0) -> None:  # a dict is not sized ahead
+        super().__init__()
+
+    def put(self, hashes: Iterable[int], value: Any) -> None:
+        """Point every hash of ``hashes`` at ``value``."""
+        for h in hashes:  # faster than update(zip(...)), which makes a pair of each hash
+            self[h] = value
+
+
+try:
+    from prefixmesh.services.scheduler._hashtable import HashTable
+except ImportError:  # the package was installed without its C extension
+    HashTable = DictTable  # type: ignore[misc,assignment]
 
 
 class Held(Protocol):
@@ -53,10 +79,11 @@ N = TypeVar("N", bound=Held)
 class BlockIndex(Generic[N]):
     """Block hash -> live node, in generations oldest first (``gens[-1]`` is written)."""
 
-    __slots__ = ("gens", "_older", "_scan", "_found", "_live")
+    __slots__ = ("gens", "_table", "_older", "_scan", "_found", "_live")
 
-    def __init__(self) -> None:
-        self.gens: list[dict[int, N]] = [{}]
+    def __init__(self, table: type = HashTable) -> None:
+        self._table = table  # one generation's type (``HashTable`` or ``DictTable``)
+        self.gens: list[Any] = [table(GEN_ENTRIES)]
         self._older = 0  # entries in every generation but the newest
         # Retiring ``gens[0]``: what of its values is left to scan and the nodes found so
         # far, then the live ones left to re-put, last first (None: not retiring).
@@ -75,16 +102,16 @@ class BlockIndex(Generic[N]):
     def put(self, hashes: Iterable[int], node: N) -> None:
         """Point each of ``hashes`` at ``node`` (which now holds them)."""
         gen = self.gens[-1]
-        for h in hashes:  # faster than update(zip(...)), which makes a pair of each hash
-            gen[h] = node
+        gen.put(hashes, node)
         if len(gen) >= GEN_ENTRIES:
             self._older += len(gen)
-            self.gens.append({})
+            self.gens.append(self._table(GEN_ENTRIES))
 
     def trim(self, held: int, step: int) -> None:
         """One step of retiring the oldest generation, if the entries exceed twice
         ``held`` (the blocks the tree holds) by more than a generation. A step scans
-        ``step`` entries, or re-puts about that many hashes of live nodes.
+        ``step`` of the generation's values (a C table lists a node once a put, a dict
+        once a hash), or re-puts about that many hashes of live nodes.
         ``PrefixTree`` calls this after each flush of its queued puts with a step of
         twice the hashes it put, so a generation of mostly dead nodes is retired faster
         than the puts fill a new one, a little at a time."""

@@ -9,6 +9,7 @@ from array import array
 import msgspec
 import pytest
 
+from prefixmesh.services.scheduler import block_index
 from prefixmesh.services.scheduler.block_index import GEN_ENTRIES, BlockIndex
 from prefixmesh.services.scheduler.prefix_tree import (
     INDEX_QUEUE_HASHES,
@@ -16,7 +17,7 @@ from prefixmesh.services.scheduler.prefix_tree import (
     PrefixTree,
 )
 from prefixmesh.shared.blocks import BLOCK_SIZE, block_hashes, pack_hashes, unpack_hashes
-from tests.helpers import toks
+from tests.helpers import index_table, toks
 
 
 def chain(*parts: list[int]) -> list[int]:
@@ -298,8 +299,9 @@ class _Held:
         self.alive = True
 
 
-def test_block_index_finds_the_newest_live_holder_and_trims_old_generations() -> None:
-    index: BlockIndex[_Held] = BlockIndex()
+@pytest.mark.parametrize("kind", ["c", "dict"])
+def test_block_index_finds_the_newest_live_holder_and_trims_old_generations(kind: str) -> None:
+    index: BlockIndex[_Held] = BlockIndex(index_table(kind))
     hashes = [0, 1, -1, -(2**63), 2**63 - 1, 12345678901234]
     a = _Held(hashes)
     index.put(a.hashes, a)
@@ -483,7 +485,8 @@ def test_index_churn_benchmark_runs_and_refuses_bad_sizes(capsys) -> None:
     assert index_churn.slowest_insert_generations(held=2_000, batch=10, rounds=50,
                                                   seed=1) > 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[0] for ln in lines] == ["1", "4", "generations"]
+    tables = ["generations"] * (1 if block_index.HashTable is block_index.DictTable else 2)
+    assert [ln.split()[0] for ln in lines] == ["1", "4", *tables]
     assert all("ms" in ln for ln in lines)
     for bad in (["--shards", "0"], ["--shards", "a,b"], ["--batch", "0"]):
         with pytest.raises(SystemExit) as exc:
