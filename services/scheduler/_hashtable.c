@@ -39,8 +39,13 @@ typedef struct {
 } HashTable;
 
 #define MIN_ENTRIES 16
-/* Entry and run numbers are uint32s (the index stores entry + 1). */
+/* Entry and run numbers are uint32s (the index stores entry + 1); on a 32-bit build the
+ * memory runs out long before. */
+#if SIZEOF_SIZE_T > 4
 #define MAX_ENTRIES ((Py_ssize_t)UINT32_MAX - 1)
+#else
+#define MAX_ENTRIES (PY_SSIZE_T_MAX / 32)
+#endif
 
 /* The keys are hashes already, but not always of every bit: mix before masking. */
 static inline Py_ssize_t

@@ -26,8 +26,8 @@ or split off with it, each followed by a ``put``; a node's hashes never grow. So
 newest entry names the hash's holder, or a node that has died since (no holder).
 
 A generation's table is ``_hashtable.HashTable`` (C, built with the package): int64 keys
-read straight from a packed run's buffer, where a dict made an int object of each hash
-first and spent most of a put on memory (docs/benchmarks.md, "The block index in C").
+read straight from a packed run's buffer and one reference a put, where a dict holds an
+int object and a reference for every hash (docs/benchmarks.md, "The block index in C").
 Where the extension was not built, ``DictTable`` does the same with a dict.
 """
 
@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
-# Entries of one generation (its table is made with room for them, so filling it never
+# Entries of one generation (a C table is made with room for them, so filling it never
 # stops a put to grow it); a lookup that misses probes every generation.
 GEN_ENTRIES = 1 << 15
 
