@@ -234,9 +234,12 @@ async def test_routing_survives_redis_going_down_and_persists_again_after(
         bus, nats_server, prefix, tmp_path):
     port = free_port()
     redis_proc, redis_url = start_redis(port=port, data_dir=tmp_path)
+    # Lenient about the worker's silence: it shares this busy loop (a slow turn under a
+    # loaded machine would take it out of routing, and its routed paths with it), and the
+    # test is about Redis, not about workers leaving.
     cfg = SchedulerConfig(nats_url=nats_server, redis_url=redis_url, subject_prefix=prefix,
                           redis_prefix=prefix, load_interval_s=FAST_LOAD_INTERVAL_S,
-                          persist_interval_s=0.1)
+                          persist_interval_s=0.1, missed_reports=40)
     sched = SchedulerService(cfg)
     try:
         async with running(sched), running(_worker(nats_server, prefix, "a")):
