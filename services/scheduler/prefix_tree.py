@@ -43,7 +43,6 @@ No I/O, no clock: times are passed in by the caller.
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,6 +50,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import msgspec
 
 from prefixmesh.services.scheduler.block_index import BlockIndex
+from prefixmesh.services.scheduler.leaf_queue import LeafQueue
 from prefixmesh.shared.blocks import BLOCK_SIZE, packed_run, unpack_hashes
 from prefixmesh.shared.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -74,7 +74,7 @@ INDEX_QUEUE_HASHES = 256
 # Old index entries a flush lets ``BlockIndex.trim`` scan (or re-put) per hash it put: the
 # oldest generation is retired faster than the puts fill a new one.
 TRIM_PER_PUT = 2
-# The budget's LRU heap is compacted once it holds more than twice the tree's nodes and
+# The budget's LRU queue is compacted once it holds more than twice the tree's nodes and
 # this many entries more (entries of nodes pruned without the budget popping them).
 LRU_SLACK_ENTRIES = 4096
 
@@ -211,8 +211,9 @@ class PrefixTree:
         # entry whose node has died or grown children is dropped when popped, and one
         # whose node was touched since is pushed again with the newer time. So every live
         # leaf has an entry no later than its last access, and the budget pops leaves in
-        # exact LRU order without sorting the tree (``_evict_lru_leaves``).
-        self._lru: list[tuple[float, int, Node]] = []
+        # exact LRU order without sorting the tree (``_evict_lru_leaves``; ``LeafQueue``:
+        # a heap's order, most entries in a sorted run beside it).
+        self._lru: LeafQueue[tuple[float, int, Node]] = LeafQueue()
         # Next node id and next LRU stamp (both only grow).
         self._next_nid = 1
         self._stamp = 1
@@ -344,7 +345,7 @@ class PrefixTree:
                     nid=self._next_nid)
         self._next_nid += 1
         node.children[hashes[matched]] = leaf
-        heapq.heappush(self._lru, (now, leaf.nid, leaf))
+        self._lru.push((now, leaf.nid, leaf))
         self._index_q.append(leaf)
         self._index_q_hashes += len(leaf.hashes)
         if self._index_q_hashes >= INDEX_QUEUE_HASHES:
@@ -685,7 +686,7 @@ class PrefixTree:
         assert parent is not None
         del parent.children[node.hashes[0]]
         if not parent.children and parent is not self.root:
-            heapq.heappush(self._lru, (parent.last_access, parent.nid, parent))
+            self._lru.push((parent.last_access, parent.nid, parent))
         for w in node.workers:
             self._wlru[w].pop(node, None)
             self.worker_blocks[w] -= len(node.hashes)
@@ -706,16 +707,16 @@ class PrefixTree:
         or peers' decisions, a smaller budget). Dropped nodes may still be cached or used in
         the window: the budget wins, so memory stays bounded. Returns how many were dropped."""
         lru = self._lru
-        pop, push = heapq.heappop, heapq.heappush
+        pop, push = lru.pop, lru.push
         kept: list[tuple[float, int, Node]] = []
         dropped = 0
         while lru and (self.n_nodes > self.max_nodes or self.n_blocks > self.max_blocks):
-            entry = pop(lru)
+            entry = pop()
             n = entry[2]
             if not n.alive or n.children:
                 continue  # gone, or no leaf now (pushed again if it becomes one)
             if n.last_access != entry[0]:
-                push(lru, (n.last_access, entry[1], n))  # touched since: later in line
+                push((n.last_access, entry[1], n))  # touched since: later in line
                 continue
             if n is keep:
                 kept.append(entry)
@@ -725,20 +726,18 @@ class PrefixTree:
             self._prune_up(parent)  # type: ignore[arg-type]
             dropped += 1
         for entry in kept:
-            push(lru, entry)
+            push(entry)
         self.budget_evictions += dropped
         return dropped
 
     def _compact_lru(self) -> None:
         """Drop the entries of dead nodes (pruned outside the budget, never popped)."""
-        self._lru = [e for e in self._lru if e[2].alive]
-        heapq.heapify(self._lru)
+        self._lru = LeafQueue(e for e in self._lru if e[2].alive)
 
     def _rebuild_lru(self) -> None:
         """The eviction order of a tree built at once (a restore): every leaf."""
-        self._lru = [(n.last_access, n.nid, n) for n in self.nodes()
-                     if not n.children and n is not self.root]
-        heapq.heapify(self._lru)
+        self._lru = LeafQueue((n.last_access, n.nid, n) for n in self.nodes()
+                              if not n.children and n is not self.root)
 
     # ------------------------------------------------------------------ persistence
 
@@ -746,8 +745,8 @@ class PrefixTree:
         """Add ``delta`` seconds to every stored time (rebasing onto another clock)."""
         for n in self.nodes():
             n.last_access += delta
-        # The same shift for every key keeps the heap's order.
-        self._lru = [(t + delta, nid, n) for t, nid, n in self._lru]
+        # The same shift for every key keeps the queue's order.
+        self._lru = LeafQueue((t + delta, nid, n) for t, nid, n in self._lru)
 
     def dump_state(self, ref_time: float) -> tuple[TreeState, dict[Node, int]]:
         """Snapshot as a struct (times relative to ``ref_time``) and the node -> index map."""
