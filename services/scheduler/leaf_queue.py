@@ -24,7 +24,8 @@ class LeafQueue(Generic[E]):
     __slots__ = ("_run", "_heap")
 
     def __init__(self, entries: Iterable[E] = ()) -> None:
-        self._run: deque[E] = deque(sorted(entries))  # nearly sorted: Timsort merges runs
+        # A compaction's entries come mostly in order, which Timsort sorts in near linear time.
+        self._run: deque[E] = deque(sorted(entries))
         self._heap: list[E] = []
 
     def push(self, entry: E) -> None:

@@ -17,10 +17,6 @@ def table(request: pytest.FixtureRequest) -> type:
     return index_table(request.param)
 
 
-def _c_table() -> type:
-    return index_table("c")
-
-
 class _Obj:
     pass
 
@@ -67,7 +63,7 @@ def test_a_table_grows_past_the_entries_it_was_made_for(table: type) -> None:
 
 
 def test_bad_input_is_a_type_error_naming_it() -> None:
-    t = _c_table()()
+    t = index_table("c")()
     with pytest.raises(TypeError, match="int64"):
         t.put(array("i", [1, 2]), "v")  # int32s
     with pytest.raises(TypeError, match="integer"):
@@ -77,7 +73,7 @@ def test_bad_input_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError):
         t.put([1])
     with pytest.raises(ValueError, match="entries"):
-        _c_table()(-1)
+        index_table("c")(-1)
 
 
 def test_values_are_held_once_a_put_and_released_with_the_table() -> None:
@@ -85,7 +81,7 @@ def test_values_are_held_once_a_put_and_released_with_the_table() -> None:
     that put moves to another value, and gives every one back when dropped."""
     a, b = _Obj(), _Obj()
     before = sys.getrefcount(a), sys.getrefcount(b)
-    t = _c_table()()
+    t = index_table("c")()
     t.put(array("q", range(100)), a)
     t.put([2**70, 5], b)  # a key beyond int64 (held by the dict beside), one moved to b
     assert t.get(5) is b and t.get(4) is a and t.get(2**70) is b
